@@ -1,0 +1,78 @@
+"""edgeinfer: a local/edge LLM runtime on llama.cpp.
+
+    import edgeinfer
+    with edgeinfer.load() as engine:                      # the default model
+        for event in engine.chat([{"role": "user", "content": "Hi"}]):
+            if isinstance(event, edgeinfer.TokenEvent):
+                print(event.text, end="", flush=True)
+
+This package never imports textual or rich; front ends render its events.
+"""
+
+from __future__ import annotations
+
+from .engine import Engine, Generation, load
+from .engine.events import DoneEvent, Event, GenerationStats, SpeculationStats, TokenEvent
+from .engine.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
+from .errors import (
+    AuthenticationError,
+    Cancelled,
+    ContextLengthError,
+    ConversionError,
+    DiskSpaceError,
+    EdgeInferError,
+    HubError,
+    IncompatibleDraftError,
+    IntegrityError,
+    InvalidModelError,
+    InvalidOptionError,
+    ModelNotFoundError,
+    OfflineError,
+    QuantizationError,
+    SpeculationError,
+    StoreError,
+)
+from .gguf_file import GGUFInfo, TensorInfo, read_gguf
+from .store import DEFAULT_MODEL, ModelManifest, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # running models
+    "load",
+    "Engine",
+    "Generation",
+    "LoadOptions",
+    "GenerateOptions",
+    "SamplingOptions",
+    "SpeculationOptions",
+    "Event",
+    "TokenEvent",
+    "DoneEvent",
+    "GenerationStats",
+    "SpeculationStats",
+    # the store and files
+    "Store",
+    "ModelManifest",
+    "DEFAULT_MODEL",
+    "read_gguf",
+    "GGUFInfo",
+    "TensorInfo",
+    # errors
+    "EdgeInferError",
+    "ModelNotFoundError",
+    "InvalidModelError",
+    "InvalidOptionError",
+    "ContextLengthError",
+    "StoreError",
+    "HubError",
+    "OfflineError",
+    "AuthenticationError",
+    "IntegrityError",
+    "DiskSpaceError",
+    "ConversionError",
+    "QuantizationError",
+    "SpeculationError",
+    "IncompatibleDraftError",
+    "Cancelled",
+]

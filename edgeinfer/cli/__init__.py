@@ -1,0 +1,67 @@
+"""The `edgeinfer` command line. Each subcommand lives in its own module of this package and
+exposes `register(subparsers)`; modules are discovered, so adding a command touches one file.
+
+The CLI uses only edgeinfer's public API. Errors become one line on stderr and a non-zero exit;
+`--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ._common import common_options
+
+    parser = argparse.ArgumentParser(
+        prog="edgeinfer",
+        description="Local LLM runtime on llama.cpp: pull, convert, quantize, measure, run.",
+        parents=[common_options()],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..errors import EdgeInferError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False)) or bool(os.environ.get("EDGEINFER_DEBUG"))
+    try:
+        code = args.func(args)
+        return int(code or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("edgeinfer: interrupted", file=sys.stderr)
+        return 130
+    except EdgeInferError as e:
+        if debug:
+            raise
+        print(f"edgeinfer: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 1
+    except OSError as e:  # a full disk, a permission problem: one line, not a traceback
+        if debug:
+            raise
+        print(f"edgeinfer: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

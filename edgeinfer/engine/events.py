@@ -1,0 +1,120 @@
+"""Typed events a generation streams, and the statistics it ends with."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["TokenEvent", "DoneEvent", "GenerationStats", "SpeculationStats", "FinishReason", "Event"]
+
+FinishReason = Literal["eos", "stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. `text` is the newly printable text (may be empty while a multi-byte
+    character or a possible stop string is pending). `drafted` is True when the token was proposed
+    by the drafter and accepted by the target."""
+
+    token: int
+    text: str
+    drafted: bool = False
+
+
+@dataclass
+class SpeculationStats:
+    method: str = "off"
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # verification decodes that carried at least one drafted token
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    switched_off: bool = False  # auto/adaptive decided speculation does not pay here
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted <= 0:
+            return
+        self.steps += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        while len(self.per_position_drafted) < n_drafted:
+            self.per_position_drafted.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(n_drafted):
+            self.per_position_drafted[i] += 1
+            if i < n_accepted:
+                self.per_position_accepted[i] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_len": round(self.mean_accepted_len, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "steps": self.steps,
+            "switched_off": self.switched_off,
+        }
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # request start to first generated token (includes prefill)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # first token to last token
+    speculation: SpeculationStats | None = None
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first, per second of decoding (prefill excluded)."""
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ttft_s": round(self.ttft_s, 6),
+            "prefill_tok_s": round(self.prefill_tok_s, 3),
+            "decode_tok_s": round(self.decode_tok_s, 3),
+        }
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The last event of every generation, also after a cancel."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stats"] = self.stats.to_dict()
+        return d
+
+
+Event = TokenEvent | DoneEvent

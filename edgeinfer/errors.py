@@ -1,0 +1,86 @@
+"""One error base class; subclasses are also the built-in exception whose meaning fits."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EdgeInferError",
+    "ModelNotFoundError",
+    "InvalidModelError",
+    "InvalidOptionError",
+    "ContextLengthError",
+    "StoreError",
+    "HubError",
+    "OfflineError",
+    "AuthenticationError",
+    "IntegrityError",
+    "DiskSpaceError",
+    "ConversionError",
+    "QuantizationError",
+    "SpeculationError",
+    "IncompatibleDraftError",
+    "Cancelled",
+]
+
+
+class EdgeInferError(Exception):
+    """Base of every error edgeinfer raises on purpose; its str() is a one-line message."""
+
+
+class ModelNotFoundError(EdgeInferError, FileNotFoundError):
+    """A model name or path that resolves to nothing."""
+
+
+class InvalidModelError(EdgeInferError, ValueError):
+    """A file that is not a well-formed GGUF (never handed to llama.cpp) or that llama.cpp refused."""
+
+
+class InvalidOptionError(EdgeInferError, ValueError):
+    """A sampling, load or command option outside its valid range."""
+
+
+class ContextLengthError(EdgeInferError, ValueError):
+    """A context size the model cannot take, or a prompt that does not fit in the context."""
+
+
+class StoreError(EdgeInferError, OSError):
+    """The model store could not be read or written."""
+
+
+class HubError(EdgeInferError):
+    """The Hugging Face Hub (or a mirror) answered with an error."""
+
+
+class OfflineError(HubError, ConnectionError):
+    """The Hub could not be reached, or offline mode forbids it, and nothing usable is cached."""
+
+
+class AuthenticationError(HubError, PermissionError):
+    """A gated or private repository and no (or a wrong) token."""
+
+
+class IntegrityError(EdgeInferError, ValueError):
+    """Downloaded or stored bytes whose hash is not the expected one."""
+
+
+class DiskSpaceError(EdgeInferError, OSError):
+    """Not enough free disk space for what is about to be written."""
+
+
+class ConversionError(EdgeInferError, ValueError):
+    """A Hugging Face model folder that cannot be converted to GGUF."""
+
+
+class QuantizationError(EdgeInferError, RuntimeError):
+    """llama.cpp's quantizer failed or was asked for something it cannot do."""
+
+
+class SpeculationError(EdgeInferError, ValueError):
+    """Speculative decoding cannot be used with this model or these options."""
+
+
+class IncompatibleDraftError(SpeculationError):
+    """A draft model whose vocabulary does not match the target's."""
+
+
+class Cancelled(EdgeInferError):
+    """A long operation (conversion, quantization, pull) was cancelled by the caller."""

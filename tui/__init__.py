@@ -1,0 +1,1 @@
+"""edgeinfer terminal chat UI (installed as `edgeinfer_tui`)."""
