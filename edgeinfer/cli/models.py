@@ -1,0 +1,116 @@
+"""`edgeinfer list`, `show MODEL`, `rm MODEL`: the model store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ._common import common_options, format_bytes, print_table
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", aliases=["ls"], parents=[common_options()], help="list the models in the store")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=list_models)
+
+    p = sub.add_parser("show", parents=[common_options()], help="show a model's manifest and file facts")
+    p.add_argument("model", nargs="?", help="store name or .gguf path (default: the default model)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=show_model)
+
+    p = sub.add_parser("rm", parents=[common_options()], help="remove a model from the store")
+    p.add_argument("models", nargs="+", metavar="MODEL")
+    p.add_argument("--purge-cache", action="store_true", help="also delete the Hugging Face cache files it came from")
+    p.set_defaults(func=remove_models)
+
+
+def _source(m) -> str:
+    src = m.source or {}
+    kind = src.get("kind", "")
+    if kind == "hub":
+        return f"hf:{src.get('repo', '?')}"
+    if kind == "package":
+        return f"pkg:{src.get('package', '?')}"
+    if m.derived_from:
+        return f"{kind or 'from'}:{m.derived_from}"
+    return kind or "-"
+
+
+def list_models(args: argparse.Namespace) -> int:
+    import edgeinfer
+
+    models = edgeinfer.Store().list()
+    if args.json:
+        print(json.dumps([json.loads(m.to_json()) for m in models], indent=2))
+        return 0
+    if not models:
+        print("no models yet: pip install 'edgeinfer[default-model]', or `edgeinfer pull REPO`", file=sys.stderr)
+        return 0
+    rows = []
+    for m in models:
+        ev = m.metrics.get("eval", {}) if m.metrics else {}
+        bench = m.metrics.get("bench", {}) if m.metrics else {}
+        kld = ev.get("kld")
+        tps = bench.get("decode_tok_s")
+        rows.append([
+            m.ref,
+            m.quant or "-",
+            format_bytes(m.size),
+            f"{m.bits_per_weight:.2f}",
+            f"{m.parameters / 1e6:.0f}M",
+            str(m.context_length or "-"),
+            f"{kld:.4f}" if isinstance(kld, (int, float)) else "-",
+            f"{tps:.1f}" if isinstance(tps, (int, float)) else "-",
+            _source(m),
+        ])
+    print_table(rows, ["NAME", "QUANT", "SIZE", "BPW", "PARAMS", "CTX", "KLD", "TOK/S", "SOURCE"])
+    return 0
+
+
+def show_model(args: argparse.Namespace) -> int:
+    import edgeinfer
+
+    store = edgeinfer.Store()
+    path, manifest = store.resolve(args.model)
+    info = edgeinfer.read_gguf(path)
+    data = json.loads(manifest.to_json()) if manifest else {"file": str(path)}
+    data["gguf"] = {
+        "architecture": info.architecture,
+        "name": info.model_name,
+        "file_type": info.file_type,
+        "bits_per_weight": round(info.bits_per_weight, 4),
+        "parameters": info.parameter_count,
+        "context_length": info.context_length,
+        "tensor_types": info.type_counts(),
+        "size": info.file_size,
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for key, value in data.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"  {k}: {v}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+def remove_models(args: argparse.Namespace) -> int:
+    import edgeinfer
+
+    store = edgeinfer.Store()
+    for ref in args.models:
+        manifest = store.get(ref)
+        if args.purge_cache:
+            from edgeinfer import hub
+
+            hub.purge_cache(manifest)
+        store.remove(ref)
+        kept = "" if manifest.owned else " (file kept: the store does not own it)"
+        print(f"removed {manifest.ref}{kept}")
+    return 0
