@@ -1,0 +1,110 @@
+"""`edgeinfer convert SOURCE`: a Hugging Face model folder (or repo id) to GGUF in the store."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from ._common import ProgressBar, common_options, format_bytes
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        parents=[common_options()],
+        help="convert a Hugging Face safetensors model to GGUF",
+        description="Convert a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or a "
+        "Hub repo id to GGUF and add it to the store as NAME:OUTTYPE.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="a local model folder, or a Hub repo id like org/name")
+    p.add_argument(
+        "--outtype",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        default=None,
+        help="tensor type of the output (default: bf16 for a bf16 checkpoint, else f16)",
+    )
+    p.add_argument("-o", "--output", metavar="FILE", help="write the GGUF here instead of into the store")
+    p.add_argument("--name", help="store name (default: from the folder or repo name)")
+    p.add_argument("--quant", metavar="TYPES", help="then quantize to these types, e.g. Q4_K_M,Q6_K")
+    p.add_argument("--profile", metavar="NAME", help="then quantize with this quant profile")
+    p.set_defaults(func=run_convert)
+
+
+def _resolve_source(source: str) -> tuple[Path, str | None]:
+    """A folder to convert and the repo id it came from (None for a local folder)."""
+    from ..errors import ConversionError
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path, None
+    if "/" in source and not source.startswith((".", "/", "~")) and source.count("/") == 1:
+        try:
+            from .. import hub
+        except ImportError:
+            raise ConversionError(f"{source} is not a local folder, and pulling from the Hub is not available") from None
+        bar = ProgressBar(f"pulling {source}", None, unit="B")
+
+        def on_progress(ev: object) -> None:  # hub.DownloadProgress (per file) or a stage event
+            done, total, file = getattr(ev, "done", None), getattr(ev, "total", None), getattr(ev, "file", None)
+            if isinstance(done, int) and isinstance(total, int):
+                bar.update(done, total, label=f"pulling {file}")
+
+        folder = hub.pull_source(source, on_progress=on_progress)
+        bar.close()
+        return Path(folder), source
+    raise ConversionError(f"no such model folder: {source}")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from ..convert import convert_model
+    from ..errors import InvalidOptionError
+
+    quant_types = [q.strip() for q in (args.quant or "").split(",") if q.strip()]
+    if (quant_types or args.profile) and args.output:
+        raise InvalidOptionError("--quant/--profile quantize into the store; they cannot be combined with -o")
+    folder, repo_id = _resolve_source(args.source)
+    bar = ProgressBar("converting", None, unit="B")
+
+    def on_progress(ev) -> None:  # ConvertProgress
+        bar.update(ev.bytes_done, ev.bytes_total, label=f"[{ev.index}/{ev.count}] {ev.tensor}")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = convert_model(
+            folder, args.outtype, args.output, on_progress=on_progress, name=args.name, repo_id=repo_id
+        )
+    bar.label = "converted"
+    bar.close()
+    for w in caught:
+        print(f"edgeinfer: warning: {w.message}", file=sys.stderr)
+    m = result.manifest
+    where = f"{m.ref} ({result.path})" if m is not None and m.owned else str(result.path)
+    print(
+        f"{where}: {result.architecture}, {result.n_tensors} tensors, {format_bytes(result.output_bytes)}, "
+        f"{m.bits_per_weight:.2f} bits/weight, {result.seconds:.1f}s"
+        if m is not None
+        else f"{where}: {result.architecture}, {result.n_tensors} tensors, {format_bytes(result.output_bytes)}"
+    )
+    if not (quant_types or args.profile):
+        return 0
+    try:
+        from ..quantize import quantize_model
+    except ImportError:
+        from ..errors import QuantizationError
+
+        raise QuantizationError("--quant/--profile need the quantizer (edgeinfer.quantize), which is not installed") from None
+    source_ref = m.ref if m is not None else str(result.path)
+    for qtype in quant_types or [None]:
+        qbar = ProgressBar(f"quantizing {qtype or args.profile}", None, unit="")
+
+        def on_q(ev) -> None:  # QuantizeProgress
+            qbar.update(ev.tensor_index, ev.n_tensors, label=f"quantizing {ev.tensor_name}")
+
+        q = quantize_model(source_ref, qtype, profile=args.profile, on_progress=on_q)
+        qbar.close()
+        print(f"{q.manifest.ref}: {format_bytes(q.size)}, {q.bits_per_weight:.2f} bits/weight")
+    return 0

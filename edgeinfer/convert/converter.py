@@ -1,0 +1,364 @@
+"""Hugging Face folder (config.json + safetensors + tokenizer.json) -> GGUF, one tensor at a time.
+
+Everything is checked before the first byte is written (config, tokenizer, every tensor's
+presence and shape). The GGUF header and tensor table are written first; then each tensor is read
+from the memory map in row blocks, converted, written and its source pages dropped, so peak memory
+is a few row blocks, not the model. The file appears under its final name only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import LlamaFileType
+
+from ..errors import Cancelled, ConversionError, InvalidOptionError
+from ..fsutil import atomic_path, ensure_free_space
+from ..gguf_file import read_gguf
+from ..store import ModelManifest, Store, normalize_name
+from .arch import Architecture, HParams, TensorSpec, architecture_for
+from .safetensors import Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
+from .tokenizer import load_vocab
+
+__all__ = [
+    "convert_model",
+    "ConvertProgress",
+    "ConvertResult",
+    "NonFiniteWeightWarning",
+    "OUTTYPES",
+]
+
+OUTTYPES: dict[str, tuple[QT, LlamaFileType]] = {
+    "f32": (QT.F32, LlamaFileType.ALL_F32),
+    "f16": (QT.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
+_CHUNK_BYTES = 16 << 20  # float32 bytes per row block
+
+
+class NonFiniteWeightWarning(UserWarning):
+    """A weight tensor holds NaN or Inf values (or values a 16-bit output type cannot hold)."""
+
+
+@dataclass(frozen=True)
+class ConvertProgress:
+    """One tensor written. `bytes_done`/`bytes_total` count source (safetensors) bytes."""
+
+    tensor: str  # GGUF tensor name
+    index: int  # 1-based
+    count: int
+    bytes_done: int
+    bytes_total: int
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    path: Path
+    manifest: ModelManifest | None
+    architecture: str  # GGUF architecture, e.g. "llama"
+    outtype: str
+    n_tensors: int
+    source_bytes: int
+    output_bytes: int
+    seconds: float
+    warnings: tuple[str, ...] = field(default=())
+
+
+@dataclass
+class _Plan:
+    """One output tensor: where its data comes from and how it is encoded."""
+
+    name: str  # GGUF name
+    shape: tuple[int, ...]  # numpy order (rows, row length)
+    qtype: QT
+    nbytes: int
+    source: SafetensorsFile | None = None
+    entry: TensorEntry | None = None
+    data: np.ndarray | None = None  # computed tensors (rope_freqs)
+    permute_heads: int = 0
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConversionError(f"missing {path.name} in {path.parent} ({what})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path.name} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path.name} is not a JSON object")
+    return data
+
+
+def _out_type(shape: tuple[int, ...], outtype: QT) -> QT:
+    if len(shape) < 2 or outtype == QT.F32:
+        return QT.F32  # norms, biases and other vectors stay F32, as llama.cpp expects
+    if outtype == QT.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[QT.Q8_0][0]:
+        return QT.F16
+    return outtype
+
+
+def _nbytes(shape: tuple[int, ...], qtype: QT) -> int:
+    return math.prod(gguf.quant_shape_to_byte_shape(shape, qtype)) if qtype not in (QT.F32, QT.F16) else (
+        math.prod(shape) * (4 if qtype == QT.F32 else 2)
+    )
+
+
+def _to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)  # a copy: the map's pages can then be dropped
+
+
+def _encode(x: np.ndarray, qtype: QT) -> np.ndarray:
+    if qtype == QT.F32:
+        return x
+    if qtype == QT.F16:
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16)
+    return gguf.quants.quantize(x, qtype)
+
+
+def _permute_rows(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF rotate_half layout -> llama.cpp NORM layout, for a block of whole heads."""
+    rows = x.shape[0]
+    return x.reshape(n_heads, 2, rows // n_heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+class _TensorStream:
+    """Duck-types the ndarray GGUFWriter.write_tensor_data expects (`nbytes`, `tofile`) and
+    produces the tensor in row blocks, so no whole-tensor copy ever exists."""
+
+    def __init__(self, plan: _Plan, hp_head_dim: int, on_nonfinite: Callable[[str], None]):
+        self.plan = plan
+        self.nbytes = plan.nbytes
+        self._head_dim = hp_head_dim
+        self._on_nonfinite = on_nonfinite
+
+    def _blocks(self) -> Iterator[np.ndarray]:
+        p = self.plan
+        if p.data is not None:
+            yield p.data
+            return
+        assert p.source is not None and p.entry is not None
+        src = p.source.array(p.entry.name)
+        rows = src.shape[0] if src.ndim else 1
+        src = src.reshape(rows, -1)
+        row_bytes = src.shape[1] * 4
+        align = rows // p.permute_heads if p.permute_heads else 1  # whole heads per block
+        step = max(align, (_CHUNK_BYTES // max(row_bytes, 1)) // align * align)
+        stored_row = src.shape[1] * src.itemsize
+        try:
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                x = _to_f32(src[r0:r1], p.entry.dtype)
+                p.source.release(p.entry.begin + r0 * stored_row, p.entry.begin + r1 * stored_row)
+                if p.permute_heads:
+                    x = _permute_rows(x, (r1 - r0) // align)
+                if not np.isfinite(x).all():
+                    self._on_nonfinite(f"tensor {p.entry.name} has NaN or Inf values")
+                out = _encode(x, p.qtype)
+                if p.qtype == QT.F16 and not np.isfinite(out).all() and np.isfinite(x).all():
+                    self._on_nonfinite(f"tensor {p.entry.name} has values too large for f16")
+                yield out
+        finally:
+            del src
+
+    def tofile(self, fp: Any) -> None:
+        written = 0
+        for block in self._blocks():
+            block = np.ascontiguousarray(block)
+            fp.write(memoryview(block).cast("B"))
+            written += block.nbytes
+        if written != self.nbytes:  # would misalign every later tensor
+            raise ConversionError(f"internal error: {self.plan.name} produced {written} bytes, expected {self.nbytes}")
+
+
+def _model_name(folder: Path, config: dict[str, Any]) -> str:
+    """A display name: the folder, or the repo name of a Hugging Face cache snapshot."""
+    if re.fullmatch(r"[0-9a-f]{40}", folder.name) and folder.parent.name == "snapshots":
+        return folder.parent.parent.name.split("--")[-1]
+    if folder.name:
+        return folder.name
+    return str(config.get("_name_or_path") or "model").rstrip("/").split("/")[-1]
+
+
+def _readme_license(folder: Path) -> str | None:
+    readme = folder / "README.md"
+    try:
+        text = readme.read_text(encoding="utf-8", errors="replace")[:20000]
+    except OSError:
+        return None
+    m = re.match(r"---\s*\n(.*?)\n---", text, re.S)
+    if not m:
+        return None
+    lic = re.search(r"^license:\s*['\"]?([^'\"\n]+)", m.group(1), re.M)
+    return lic.group(1).strip() if lic else None
+
+
+def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT) -> list[_Plan]:
+    specs: dict[str, TensorSpec] = arch.tensor_specs(hp)
+    name_map = gguf.get_tensor_name_map(arch.gguf_arch, hp.layers)
+    present = set(ckpt.names)
+    unexpected = sorted(n for n in present if n not in specs and not arch.skip_tensor(n, hp))
+    if unexpected:
+        more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise ConversionError(f"unexpected tensor {', '.join(unexpected[:3])}{more} for {arch.name} with config.json's layout")
+    missing = [n for n, s in specs.items() if s.required and n not in present]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ConversionError(f"missing tensor {', '.join(missing[:3])}{more}")
+    plans: list[_Plan] = []
+    for hf_name, spec in specs.items():
+        if hf_name not in present or arch.skip_tensor(hf_name, hp):
+            continue
+        entry = ckpt.entry(hf_name)
+        if entry.shape != spec.shape:
+            raise ConversionError(
+                f"tensor {hf_name} has shape {list(entry.shape)} but config.json implies {list(spec.shape)}"
+            )
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ConversionError(f"internal error: no GGUF name for {hf_name}")
+        qtype = _out_type(spec.shape, outtype)
+        plans.append(
+            _Plan(gguf_name, spec.shape, qtype, _nbytes(spec.shape, qtype), ckpt.where[hf_name], entry,
+                  permute_heads=spec.permute_heads)
+        )
+    for gguf_name, data in arch.extra_tensors(hp).items():
+        plans.append(_Plan(gguf_name, data.shape, QT.F32, data.nbytes, data=data.astype(np.float32)))
+    return plans
+
+
+def _cancelled(cancel: Any) -> bool:
+    if cancel is None:
+        return False
+    is_set = getattr(cancel, "is_set", None)
+    return bool(is_set() if callable(is_set) else cancel())
+
+
+def _source_dtype(ckpt: Checkpoint) -> str:
+    sizes: dict[str, int] = {}
+    for f in ckpt.files:
+        for e in f.tensors.values():
+            sizes[e.dtype] = sizes.get(e.dtype, 0) + e.n_bytes
+    return max(sizes, key=sizes.__getitem__) if sizes else "F32"
+
+
+def convert_model(
+    source_dir: str | Path,
+    outtype: str | None = None,
+    output: str | Path | None = None,
+    *,
+    store: Store | None = None,
+    on_progress: Callable[[ConvertProgress], None] | None = None,
+    name: str | None = None,
+    repo_id: str | None = None,
+    register: bool = True,
+    cancel: Callable[[], bool] | Any = None,
+) -> ConvertResult:
+    """Convert a Hugging Face model folder to GGUF and register it in the store.
+
+    `outtype` is f32, f16, bf16 or q8_0; None picks bf16 for a bf16 checkpoint, else f16.
+    Without `output` the file goes into the store as `<name>:<outtype>`; with it, the file is
+    written there and registered as an external (not store-owned) model. `repo_id` records the
+    Hub repository the folder came from; `register=False` only writes the file (the result's
+    manifest is then None). `cancel` (a callable or an object with `is_set()`, e.g. a
+    threading.Event) is polled between tensors and raises Cancelled. Raises ConversionError
+    (one line) on bad input; on any exception, Ctrl-C included, no file or manifest is left behind.
+    """
+    t0 = time.monotonic()
+    folder = Path(source_dir).expanduser()
+    if not folder.is_dir():
+        raise ConversionError(f"no such model folder: {folder}")
+    if outtype is not None and outtype not in OUTTYPES:
+        raise InvalidOptionError(f"unknown outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    config = _read_json(folder / "config.json", "the model's configuration")
+    arch = architecture_for(config)
+    hp = arch.hparams(config)
+    vocab = load_vocab(folder, hp.vocab_size)
+    store = store or Store()
+    warned: list[str] = []
+
+    def nonfinite(msg: str) -> None:
+        if msg not in warned:
+            warned.append(msg)
+            warnings.warn(msg, NonFiniteWeightWarning, stacklevel=2)
+
+    with open_checkpoint(folder) as ckpt:
+        if outtype is None:
+            outtype = "bf16" if _source_dtype(ckpt) == "BF16" else "f16"
+        qtype, ftype = OUTTYPES[outtype]
+        plans = _plan_tensors(ckpt, arch, hp, qtype)
+        display = _model_name(folder, config)
+        store_name = normalize_name(name or display)
+        tag = outtype
+        target = Path(output).expanduser() if output else store.model_path(store_name, tag)
+        total_out = sum(p.nbytes for p in plans)
+        total_src = sum(p.entry.n_bytes for p in plans if p.entry is not None)
+        ensure_free_space(target.parent, total_out + (64 << 20), "the converted model")
+
+        with atomic_path(target) as tmp:
+            w = gguf.GGUFWriter(tmp, arch.name)
+            try:
+                w.add_name(display)
+                w.add_type(gguf.GGUFType.MODEL)
+                if lic := _readme_license(folder):
+                    w.add_license(lic)
+                if repo_id:
+                    w.add_source_repo_url(f"https://huggingface.co/{repo_id}")
+                arch.write_metadata(w, hp)
+                w.add_file_type(ftype)
+                if qtype == QT.Q8_0:
+                    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+                vocab.add_to_gguf(w)
+                for p in plans:
+                    w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
+                w.write_header_to_file()
+                w.write_kv_data_to_file()
+                w.write_ti_data_to_file()
+                done = 0
+                for i, p in enumerate(plans, 1):
+                    w.write_tensor_data(_TensorStream(p, hp.head_dim, nonfinite))  # type: ignore[arg-type]
+                    done += p.entry.n_bytes if p.entry is not None else 0
+                    if on_progress is not None:
+                        on_progress(ConvertProgress(p.name, i, len(plans), done, total_src))
+                    if _cancelled(cancel):
+                        raise Cancelled("conversion cancelled")
+                w.flush()
+            finally:
+                w.close()
+    info = read_gguf(target)
+    if not register:
+        return ConvertResult(target, None, arch.name, outtype, len(plans), total_src, target.stat().st_size,
+                             time.monotonic() - t0, tuple(warned))
+    derived = repo_id or str(folder.resolve())
+    source = {"kind": "convert", "from": derived, "outtype": outtype, "architecture": arch.name}
+    if repo_id:
+        source["repo"] = repo_id
+    manifest = store.register(
+        target, store_name, tag, source=source, derived_from=derived, owned=output is None, info=info
+    )
+    return ConvertResult(
+        path=target,
+        manifest=manifest,
+        architecture=arch.name,
+        outtype=outtype,
+        n_tensors=len(plans),
+        source_bytes=total_src,
+        output_bytes=target.stat().st_size,
+        seconds=time.monotonic() - t0,
+        warnings=tuple(warned),
+    )

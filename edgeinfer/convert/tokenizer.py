@@ -1,0 +1,166 @@
+"""Byte-level BPE vocabularies from `tokenizer.json`, as llama.cpp wants them in GGUF.
+
+llama.cpp does not run the Hugging Face pre-tokenizer: it picks one of its own built-in regex sets
+by the name in `tokenizer.ggml.pre`. A wrong name tokenizes differently without any error, so the
+name is identified here from the tokenizer's own `pre_tokenizer` (its regex and steps) and an
+unknown pre-tokenizer is refused rather than defaulted. (llama.cpp's converter hashes the output
+of the `tokenizers` library instead; we read the config, which needs no extra dependency.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from ..errors import ConversionError
+
+__all__ = ["Vocab", "load_vocab", "identify_pre_tokenizer", "KNOWN_PRE_TOKENIZERS"]
+
+_LLAMA3_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# A canonical form of each pre-tokenizer llama.cpp implements -> its `tokenizer.ggml.pre` name.
+# ("split", regex) is a Split step with behavior Isolated; ("bytelevel", use_regex) a ByteLevel
+# step without a prefix space; ("digits",) Digits with individual_digits.
+KNOWN_PRE_TOKENIZERS: dict[tuple[tuple[Any, ...], ...], str] = {
+    (("split", _LLAMA3_RE), ("bytelevel", False)): "llama-bpe",
+    (("split", _QWEN2_RE), ("bytelevel", False)): "qwen2",
+    (("digits",), ("bytelevel", True)): "smollm",
+    (("bytelevel", True),): "gpt-2",
+}
+_SUPPORTED_NORMALIZERS = (None, "NFC")
+
+
+@dataclass
+class Vocab:
+    model: str  # tokenizer.ggml.model
+    pre: str  # tokenizer.ggml.pre
+    tokens: list[str]
+    token_types: list[int]
+    special: gguf.SpecialVocab  # merges, special token ids, add_bos/eos, chat template
+
+    def add_to_gguf(self, writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model(self.model)
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.token_types)
+        self.special.add_to_gguf(writer, quiet=True)
+
+
+def _canonical_step(step: dict[str, Any]) -> tuple[Any, ...]:
+    kind = step.get("type")
+    if kind == "ByteLevel":
+        if step.get("add_prefix_space"):
+            return ("bytelevel-prefix-space",)
+        return ("bytelevel", bool(step.get("use_regex", True)))
+    if kind == "Digits":
+        return ("digits",) if step.get("individual_digits") else ("digits-grouped",)
+    if kind == "Split":
+        pattern = step.get("pattern") or {}
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
+            return ("split-other", json.dumps(step, sort_keys=True))
+        return ("split", regex)
+    return (str(kind),)
+
+
+def identify_pre_tokenizer(tokenizer: dict[str, Any]) -> str:
+    """The llama.cpp pre-tokenizer name for a tokenizer.json; ConversionError when unknown."""
+    pre = tokenizer.get("pre_tokenizer")
+    if not isinstance(pre, dict):
+        raise ConversionError("tokenizer.json has no pre_tokenizer; cannot tell which llama.cpp pre-tokenizer to use")
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    key = tuple(_canonical_step(s) for s in steps or [] if isinstance(s, dict))
+    name = KNOWN_PRE_TOKENIZERS.get(key)
+    if name is None:
+        summary = ", ".join(s[0] for s in key) or "empty"
+        raise ConversionError(
+            f"unknown BPE pre-tokenizer ({summary}); supported: {', '.join(sorted(set(KNOWN_PRE_TOKENIZERS.values())))}"
+        )
+    normalizer = tokenizer.get("normalizer")
+    norm_type = normalizer.get("type") if isinstance(normalizer, dict) else None
+    if norm_type not in _SUPPORTED_NORMALIZERS:
+        raise ConversionError(f"unsupported tokenizer normalizer {norm_type!r} for a byte-level BPE tokenizer")
+    return name
+
+
+def _looks_special(text: str) -> bool:
+    # The same heuristic llama.cpp's converter applies to added tokens not flagged special.
+    return (
+        text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (text.startswith("<|") and text.endswith("|>"))
+        or (text.startswith("<｜") and text.endswith("｜>"))
+        or (text.startswith("<unused") and text.endswith(">"))
+    )
+
+
+def load_vocab(folder: Path, vocab_size: int | None) -> Vocab:
+    """Tokens, types, merges and special tokens of a byte-level BPE tokenizer in `folder`.
+
+    `vocab_size` is the model's embedding row count: ids the tokenizer does not use are padded
+    with unused `[PAD{i}]` tokens, as llama.cpp's converter does.
+    """
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        if (folder / "tokenizer.model").is_file():
+            raise ConversionError(
+                "only tokenizer.model (SentencePiece) found; edgeinfer converts byte-level BPE tokenizer.json tokenizers"
+            )
+        raise ConversionError(f"no tokenizer.json in {folder}")
+    try:
+        tok = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"tokenizer.json is not valid JSON: {e}") from None
+    model = tok.get("model") if isinstance(tok, dict) else None
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise ConversionError(f"tokenizer.json model type {kind!r} is not supported (byte-level BPE only)")
+    if model.get("byte_fallback"):
+        raise ConversionError("tokenizer.json is a SentencePiece-style BPE (byte_fallback); only byte-level BPE is supported")
+    pre = identify_pre_tokenizer(tok)
+
+    reverse: dict[int, str] = {}
+    for text, idx in model["vocab"].items():
+        if not isinstance(idx, int) or idx < 0:
+            raise ConversionError(f"tokenizer.json: token {text!r} has invalid id {idx!r}")
+        reverse[idx] = text
+    added: dict[int, dict[str, Any]] = {}
+    for entry in tok.get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("content"), str):
+            added[entry["id"]] = entry
+            reverse[entry["id"]] = entry["content"]
+    if not reverse:
+        raise ConversionError("tokenizer.json has an empty vocabulary")
+    n = vocab_size if vocab_size is not None else max(reverse) + 1
+    if max(reverse) >= n:
+        raise ConversionError(f"tokenizer has token id {max(reverse)} but the model's vocab_size is {n}")
+
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(n):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            text = added[i]["content"]
+            tokens.append(text)
+            special = bool(added[i].get("special")) or _looks_special(text)
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.NORMAL)
+    special_vocab = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n)
+    if not special_vocab.merges:
+        raise ConversionError("tokenizer.json has no merges")
+    return Vocab(model="gpt2", pre=pre, tokens=tokens, token_types=[int(t) for t in types], special=special_vocab)
