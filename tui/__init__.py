@@ -1,1 +1,29 @@
-"""edgeinfer terminal chat UI (installed as `edgeinfer_tui`)."""
+"""edgeinfer terminal chat UI (installed as `edgeinfer_tui`): `edgeinfer chat [MODEL]`.
+
+The UI talks to the library only through `edgeinfer`'s public API (see `backend.py`); the library
+never imports this package or textual.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["EdgeInferApp", "run"]
+
+
+def __getattr__(name: str):
+    if name == "EdgeInferApp":  # lazy: importing the package does not import textual
+        from .app import EdgeInferApp
+
+        return EdgeInferApp
+    raise AttributeError(name)
+
+
+def run(model: str | None = None, *, db_path: Path | None = None, load_options=None) -> int:
+    """Run the chat app in this terminal; returns an exit code."""
+    from .app import EdgeInferApp
+    from .backend import LibraryBackend
+
+    app = EdgeInferApp(LibraryBackend(load_options), model=model, db_path=db_path)
+    app.run()
+    return int(app.return_code or 0)

@@ -1,0 +1,41 @@
+"""`edgeinfer chat [MODEL]`: the full-screen terminal chat UI (needs the `tui` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from ._common import common_options
+
+__all__ = ["register"]
+
+MISSING_TEXTUAL = "the chat UI needs textual: pip install 'edgeinfer[tui]'"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        parents=[common_options()],
+        help="chat with a model in a full-screen terminal UI",
+        description="Open the terminal chat UI: chats saved in the store, model picker, speculation panel, "
+        "model management. No model means the chat's last model, or the default model.",
+    )
+    p.add_argument("model", nargs="?", help="model (store name or .gguf path)")
+    p.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
+    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    p.set_defaults(func=chat)
+
+
+def chat(args: argparse.Namespace) -> int:
+    import edgeinfer
+
+    # The library and the other commands never import textual; this command imports it here only.
+    if importlib.util.find_spec("textual") is None:
+        raise edgeinfer.EdgeInferError(MISSING_TEXTUAL)
+    import edgeinfer_tui
+
+    options = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type).validate()
+    if args.model:
+        edgeinfer.Store().resolve(args.model)  # a wrong name is a one-line error before the screen opens
+    return edgeinfer_tui.run(args.model, load_options=options)

@@ -1,0 +1,159 @@
+"""A scripted backend for the UI tests: deterministic tokens, adjustable speed.
+
+This is a fake only to make the UI's flows deterministic; the engine itself is tested with real
+models elsewhere, and the end-to-end and tmux tests here use the real default model.
+
+Speed: `delay` seconds between tokens, or a `gate` (threading.Semaphore) the test releases one
+token at a time, so a test can look at the screen mid-reply without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import edgeinfer
+from edgeinfer import DoneEvent, GenerationStats, SpeculationStats, TokenEvent
+from edgeinfer_tui.backend import LoadedModel, ModelEntry, TaskProgress
+
+Script = Callable[[list[dict[str, str]], Any], list[tuple[str, bool]]]
+
+
+def echo_script(messages: list[dict[str, str]], options: Any) -> list[tuple[str, bool]]:
+    """'Echo: <last user message>' word by word; every third token is 'drafted' when speculating."""
+    last = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    words = f"Echo: {last}".split(" ")
+    tokens = [(w if i == 0 else " " + w) for i, w in enumerate(words)]
+    spec = getattr(getattr(options, "speculation", None), "method", "off")
+    return [(t, spec != "off" and i % 3 != 0) for i, t in enumerate(tokens)]
+
+
+class ScriptedGeneration:
+    def __init__(self, tokens: list[tuple[str, bool]], delay: float, gate: threading.Semaphore | None, method: str):
+        self.tokens = tokens
+        self.delay = delay
+        self.gate = gate
+        self._cancel = threading.Event()
+        self.stats = GenerationStats(prompt_tokens=7)
+        if method != "off":
+            self.stats.speculation = SpeculationStats(method=method)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def _wait_turn(self) -> bool:
+        """Wait for the next token's turn; False when cancelled meanwhile."""
+        if self.gate is not None:
+            while not self._cancel.is_set():
+                if self.gate.acquire(timeout=0.01):
+                    return True
+            return False
+        if self.delay:
+            return not self._cancel.wait(self.delay)
+        return not self._cancel.is_set()
+
+    def __iter__(self):
+        t0 = time.perf_counter()
+        text, ids = [], []
+        reason = "eos"
+        run = 0
+        for i, (piece, drafted) in enumerate(self.tokens):
+            if not self._wait_turn():
+                reason = "cancelled"
+                break
+            text.append(piece)
+            ids.append(i)
+            self.stats.generated_tokens += 1
+            now = time.perf_counter()
+            if i == 0:
+                self.stats.ttft_s = now - t0
+                first = now
+            else:
+                self.stats.decode_s = now - first
+            spec = self.stats.speculation
+            if spec is not None:
+                if drafted:
+                    run += 1
+                else:
+                    if run:
+                        spec.record(run + 1, run)
+                    run = 0
+            yield TokenEvent(token=i, text=piece, drafted=drafted)
+        if self.stats.speculation is not None and run:
+            self.stats.speculation.record(run + 1, run)
+        yield DoneEvent(text="".join(text), tokens=ids, finish_reason=reason, stats=self.stats)
+
+
+class ScriptedEngine:
+    def __init__(self, ref: str, backend: FakeBackend):
+        self.ref = ref
+        self.backend = backend
+        self.closed = False
+
+    def chat(self, messages: list[dict[str, str]], options: Any = None) -> ScriptedGeneration:
+        options = (options or edgeinfer.GenerateOptions()).validate()
+        self.backend.calls.append((self.ref, [dict(m) for m in messages], options))
+        if self.backend.fail_chat:
+            raise edgeinfer.ContextLengthError(self.backend.fail_chat)
+        tokens = self.backend.script(messages, options)
+        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeBackend:
+    models: list[ModelEntry] = field(
+        default_factory=lambda: [
+            ModelEntry(ref="smollm2-135m-instruct:q4_1", name="smollm2-135m-instruct", quant="Q4_1", size=91_000_000,
+                       bits_per_weight=5.13, fits=True),
+            ModelEntry(ref="smollm2-135m-instruct:q8_0", name="smollm2-135m-instruct", quant="Q8_0", size=145_000_000,
+                       bits_per_weight=8.5, kld=0.004, same_top=96.6, ppl=10.2, tok_s=122.0, fits=True),
+            ModelEntry(ref="smollm2-135m-instruct:q4_k_m", name="smollm2-135m-instruct", quant="Q4_K_M", size=105_000_000,
+                       bits_per_weight=5.9, kld=0.060, same_top=87.7, ppl=10.9, tok_s=118.0, fits=True),
+        ]
+    )
+    script: Script = echo_script
+    delay: float = 0.0
+    gate: threading.Semaphore | None = None
+    fail_load: dict[str, str] = field(default_factory=dict)  # ref -> error message
+    fail_chat: str | None = None
+    available: dict[str, bool] = field(default_factory=lambda: {"pull": False, "convert": True, "quantize": True, "evaluate": False})
+    calls: list[tuple[str, list[dict[str, str]], Any]] = field(default_factory=list)
+    loads: list[str] = field(default_factory=list)
+    tasks: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+
+    def default_ref(self) -> str:
+        return self.models[0].ref
+
+    def list_models(self) -> list[ModelEntry]:
+        return list(self.models)
+
+    def load(self, ref: str | None) -> LoadedModel:
+        ref = ref or self.default_ref()
+        self.loads.append(ref)
+        if ref in self.fail_load:
+            raise edgeinfer.ModelNotFoundError(self.fail_load[ref])
+        return LoadedModel(ref=ref, engine=ScriptedEngine(ref, self))
+
+    def remove_model(self, ref: str) -> None:
+        if not any(m.ref == ref for m in self.models):
+            raise edgeinfer.ModelNotFoundError(f"model {ref} is not in the store")
+        self.models = [m for m in self.models if m.ref != ref]
+
+    def features(self) -> dict[str, bool]:
+        return dict(self.available)
+
+    def run_task(self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None]) -> str:
+        self.tasks.append((kind, args))
+        if args["source"] == "bad":
+            raise edgeinfer.ConversionError("no such model folder: bad")
+        n = 5
+        for i in range(1, n + 1):
+            on_progress(TaskProgress(key=kind, label=f"blk.{i}", done=i, total=n))
+        ref = f"{args['source']}:{(args.get('qtype') or 'f16').lower()}"
+        self.models.append(ModelEntry(ref=ref, name=args["source"], quant=args.get("qtype") or "F16", size=1000))
+        return f"{kind}: done → {ref}"

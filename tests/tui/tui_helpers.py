@@ -1,0 +1,19 @@
+"""Predicate waits for Pilot tests (never a fixed sleep)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+async def wait_for(pilot, predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    """Let the app run until `predicate()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.005)
+
+
+def run(coro) -> None:
+    asyncio.run(coro)

@@ -1,0 +1,287 @@
+"""The manage screen: the store's models (delete), the quality ladder of a model (table + bars),
+and pull / convert / quantize with progress bars, where this version of edgeinfer has them."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message as TMessage
+from textual.screen import Screen
+from textual.widgets import (
+    Button,
+    DataTable,
+    Footer,
+    Header,
+    Input,
+    Label,
+    ProgressBar,
+    Select,
+    Static,
+    TabbedContent,
+    TabPane,
+)
+
+from .backend import Backend, ModelEntry, TaskProgress
+from .screens import MODEL_COLUMNS, ConfirmScreen, format_size, model_rows
+
+__all__ = ["ManageScreen", "ladder_chart", "TASKS"]
+
+# kind -> (tab title, [(arg, label, placeholder)], hint)
+TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
+    "pull": ("Pull", [("source", "Repository", "bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M")], "Download from the Hugging Face Hub (resumable, verified)."),
+    "convert": (
+        "Convert",
+        [("source", "HF model folder", "./SmolLM2-360M-Instruct"), ("outtype", "Out type", "f16 (or f32, bf16, q8_0)")],
+        "Safetensors → GGUF, into the store.",
+    ),
+    "quantize": (
+        "Quantize",
+        [("source", "Model", "smollm2-135m-instruct:f16"), ("qtype", "Quant type", "Q4_K_M")],
+        "k-quants through llama.cpp's quantizer; progress per tensor.",
+    ),
+}
+
+NOT_AVAILABLE = "not available in this version of edgeinfer"
+
+
+def _bar(value: float, vmax: float, width: int) -> str:
+    if vmax <= 0:
+        return ""
+    cells = value / vmax * width
+    full = int(cells)
+    frac = cells - full
+    eighths = " ▏▎▍▌▋▊▉"
+    return "█" * full + (eighths[int(frac * 8)] if full < width and frac > 0 else "")
+
+
+def ladder_chart(entries: list[ModelEntry], width: int = 40) -> Text:
+    """Horizontal bars of KLD and size per quant (text, so it works in any terminal)."""
+    out = Text()
+    label_w = max((len(e.quant or e.ref) for e in entries), default=4) + 2
+    with_kld = [e for e in entries if e.kld is not None]
+    out.append("KLD vs reference (lower is better)\n", style="bold")
+    if not with_kld:
+        out.append("  not measured yet: run `edgeinfer eval` on these models\n", style="dim")
+    kmax = max((e.kld or 0 for e in with_kld), default=0)
+    for e in with_kld:
+        out.append(f"  {(e.quant or e.ref):<{label_w}}")
+        out.append(_bar(e.kld or 0, kmax, width), style="magenta")
+        out.append(f" {e.kld:.4f}\n")
+    out.append("Size\n", style="bold")
+    smax = max((e.size for e in entries), default=0)
+    for e in entries:
+        out.append(f"  {(e.quant or e.ref):<{label_w}}")
+        out.append(_bar(e.size, smax, width), style="cyan")
+        bpw = f", {e.bits_per_weight:.2f} bits/w" if e.bits_per_weight else ""
+        out.append(f" {format_size(e.size)}{bpw}\n")
+    return out
+
+
+class TaskUpdate(TMessage):
+    def __init__(self, kind: str, progress: TaskProgress | None = None, result: str | None = None, error: str | None = None):
+        super().__init__()
+        self.kind, self.progress, self.result, self.error = kind, progress, result, error
+
+
+class ManageScreen(Screen):
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back"), Binding("ctrl+l", "app.pop_screen", "Back", show=False)]
+    DEFAULT_CSS = """
+    ManageScreen TabbedContent { height: 1fr; }
+    ManageScreen DataTable { height: auto; max-height: 16; }
+    ManageScreen .row { height: auto; margin: 1 0 0 0; }
+    ManageScreen .row Label { width: 18; padding-top: 1; }
+    ManageScreen .row Input { width: 1fr; }
+    ManageScreen .hint { color: $text-muted; }
+    ManageScreen .unavailable { color: $warning; text-style: italic; margin: 1 0; }
+    ManageScreen .result { margin-top: 1; height: auto; }
+    ManageScreen .bars { height: auto; }
+    ManageScreen #ladder-chart { margin-top: 1; height: auto; }
+    """
+
+    def __init__(self, backend: Backend):
+        super().__init__(id="manage-screen")
+        self.backend = backend
+        self.entries: list[ModelEntry] = []
+        self.features = self._features()
+        self._bars: dict[str, dict[str, ProgressBar]] = defaultdict(dict)
+        self._last_post: dict[str, float] = {}
+
+    def _features(self) -> dict[str, bool]:
+        try:
+            return dict(self.backend.features())
+        except Exception:  # noqa: BLE001
+            return {}
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with TabbedContent(id="manage-tabs"):
+            with TabPane("Models", id="tab-models"):
+                yield DataTable(cursor_type="row", zebra_stripes=True, id="manage-models")
+                with Horizontal(classes="row"):
+                    yield Button("Delete selected model", variant="error", id="delete-model")
+                    yield Button("Refresh", id="refresh-models")
+                yield Static("", classes="result", id="models-result")
+            with TabPane("Quality ladder", id="tab-ladder"):
+                yield Select([], prompt="Model name", id="ladder-name")
+                yield DataTable(zebra_stripes=True, id="ladder-table")
+                yield Static("", id="ladder-chart")
+            for kind, (title, fields, hint) in TASKS.items():
+                with TabPane(title, id=f"tab-{kind}"):
+                    with VerticalScroll():
+                        yield Static(hint, classes="hint")
+                        if not self.features.get(kind):
+                            yield Static(f"{title}: {NOT_AVAILABLE}.", classes="unavailable", id=f"{kind}-unavailable")
+                            continue
+                        for arg, label, placeholder in fields:
+                            with Horizontal(classes="row"):
+                                yield Label(label)
+                                yield Input(placeholder=placeholder, id=f"{kind}-{arg}")
+                        yield Button(f"Start {title.lower()}", variant="primary", id=f"start-{kind}")
+                        yield Vertical(classes="bars", id=f"{kind}-bars")
+                        yield Static("", classes="result", id=f"{kind}-result")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#manage-models", DataTable).add_columns(*MODEL_COLUMNS)
+        self.query_one("#ladder-table", DataTable).add_columns("Quant", "Bits/w", "Size", "PPL", "KLD", "Same-top", "tok/s")
+        self.refresh_models()
+
+    # -- models ----------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, exit_on_error=False, group="models")
+    def refresh_models(self) -> None:
+        try:
+            entries = self.backend.list_models()
+        except Exception as e:  # noqa: BLE001
+            self.app.call_from_thread(self.app.notify, str(e), severity="error")
+            return
+        self.app.call_from_thread(self._fill_models, entries)
+
+    def _fill_models(self, entries: list[ModelEntry]) -> None:
+        self.entries = entries
+        table = self.query_one("#manage-models", DataTable)
+        table.clear()
+        for e, row in zip(entries, model_rows(entries)):
+            table.add_row(*row, key=e.ref)
+        names = sorted({e.name or e.ref.split(":")[0] for e in entries})
+        select = self.query_one("#ladder-name", Select)
+        current = select.value
+        select.set_options([(n, n) for n in names])
+        if current in names:
+            select.value = current
+        elif names:
+            select.value = names[0]
+
+    @on(Button.Pressed, "#refresh-models")
+    def _refresh(self) -> None:
+        self.refresh_models()
+
+    @on(Button.Pressed, "#delete-model")
+    def _delete(self) -> None:
+        table = self.query_one("#manage-models", DataTable)
+        if not self.entries or table.cursor_row is None or table.cursor_row >= len(self.entries):
+            return
+        ref = self.entries[table.cursor_row].ref
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.delete_model(ref)
+
+        self.app.push_screen(ConfirmScreen(f"Delete the model {ref}? Its file is removed when the store owns it. (y/n)"), confirmed)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="delete")
+    def delete_model(self, ref: str) -> None:
+        try:
+            self.backend.remove_model(ref)
+        except Exception as e:  # noqa: BLE001
+            self.app.call_from_thread(self.app.notify, str(e), severity="error")
+            return
+        self.app.call_from_thread(self.query_one("#models-result", Static).update, f"Deleted {ref}.")
+        self.app.call_from_thread(self.refresh_models)
+
+    # -- ladder ----------------------------------------------------------------------------------
+    @on(Select.Changed, "#ladder-name")
+    def _ladder(self, event: Select.Changed) -> None:
+        name = event.value
+        table = self.query_one("#ladder-table", DataTable)
+        table.clear()
+        if name is Select.BLANK:
+            self.query_one("#ladder-chart", Static).update("")
+            return
+        rungs = [e for e in self.entries if (e.name or e.ref.split(":")[0]) == name]
+        rungs.sort(key=lambda e: (e.bits_per_weight or 0.0), reverse=True)
+
+        def f(v: float | None, fmt: str) -> str:
+            return "—" if v is None else format(v, fmt)
+
+        for e in rungs:
+            table.add_row(
+                e.quant or e.ref,
+                f(e.bits_per_weight, ".2f"),
+                format_size(e.size),
+                f(e.ppl, ".3f"),
+                f(e.kld, ".4f"),
+                "—" if e.same_top is None else f"{e.same_top:.1f} %",
+                f(e.tok_s, ".1f"),
+            )
+        self.query_one("#ladder-chart", Static).update(ladder_chart(rungs))
+
+    # -- pull / convert / quantize ---------------------------------------------------------------
+    @on(Button.Pressed)
+    def _start(self, event: Button.Pressed) -> None:
+        bid = event.button.id or ""
+        if not bid.startswith("start-"):
+            return
+        kind = bid.removeprefix("start-")
+        args = {arg: self.query_one(f"#{kind}-{arg}", Input).value.strip() for arg, _l, _p in TASKS[kind][1]}
+        if not args.get("source"):
+            self.query_one(f"#{kind}-result", Static).update("Fill in the first field.")
+            return
+        event.button.disabled = True
+        self.query_one(f"#{kind}-bars", Vertical).remove_children()
+        self._bars[kind].clear()
+        self.query_one(f"#{kind}-result", Static).update("running…")
+        self.run_task(kind, args)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="task")
+    def run_task(self, kind: str, args: dict[str, str]) -> None:
+        def on_progress(p: TaskProgress) -> None:
+            # at most ~20 updates a second per bar, plus the last one
+            now = time.monotonic()
+            last = self._last_post.get(p.key, 0.0)
+            if now - last >= 0.05 or (p.total is not None and p.done >= p.total):
+                self._last_post[p.key] = now
+                self.post_message(TaskUpdate(kind, progress=p))
+
+        try:
+            result = self.backend.run_task(kind, args, on_progress)
+        except Exception as e:  # noqa: BLE001 - the library's one-line message
+            self.post_message(TaskUpdate(kind, error=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
+            return
+        self.post_message(TaskUpdate(kind, result=result))
+
+    async def on_task_update(self, message: TaskUpdate) -> None:
+        kind = message.kind
+        if message.progress is not None:
+            p = message.progress
+            bars = self._bars[kind]
+            if p.key not in bars:
+                bar = ProgressBar(total=p.total, show_eta=False)
+                bars[p.key] = bar
+                await self.query_one(f"#{kind}-bars", Vertical).mount(Label(p.key, classes="bar-label"), bar)
+            bars[p.key].update(total=p.total, progress=p.done)
+            return
+        self.query_one(f"#start-{kind}", Button).disabled = False
+        result = self.query_one(f"#{kind}-result", Static)
+        if message.error:
+            result.update(Text(f"error: {message.error}", style="bold red"))
+            self.app.notify(message.error, title=kind.capitalize(), severity="error", timeout=10)
+        else:
+            result.update(message.result or "done")
+            self.refresh_models()
+
