@@ -1,0 +1,387 @@
+"""edgeinfer.hub against a local Hub (tests/hub_server.py) with the real huggingface_hub client.
+
+Small synthetic GGUFs keep these fast; tests/test_hub_e2e.py pulls real models that answer.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hub_server import HubServer
+
+from edgeinfer import hub as hubmod
+from edgeinfer.errors import (
+    AuthenticationError,
+    Cancelled,
+    DiskSpaceError,
+    HubError,
+    IntegrityError,
+    ModelNotFoundError,
+    OfflineError,
+)
+from edgeinfer.gguf_file import read_gguf
+from edgeinfer.store import Store
+
+REPO = "tester/Tiny-GGUF"
+_FTYPES = {
+    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+}
+
+
+def tiny_gguf(path: Path, quant: str, rows: int = 8, seed: int = 0) -> Path:
+    """A small valid GGUF (one F32 tensor) whose general.file_type says `quant`."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"tiny-{quant}")
+    w.add_context_length(64)
+    w.add_file_type(_FTYPES[quant])
+    rng = np.random.default_rng(seed)
+    w.add_tensor("token_embd.weight", rng.standard_normal((rows, 256)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A local Hub, with huggingface_hub pointed at it and at a fresh cache."""
+    from huggingface_hub import constants
+
+    server = HubServer().start()
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    # hf_hub_url builds from this template (computed at import time from HF_ENDPOINT): keep it consistent
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(hubmod, "_BACKOFF_S", 0.0)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gguf_repo(hub, tmp_path):
+    d = tmp_path / "repo-src"
+    d.mkdir()
+    files: dict[str, bytes | str | Path] = {"README.md": "# tiny\n", "mmproj-Tiny-F16.gguf": tiny_gguf(d / "mm.gguf", "F16")}
+    for i, q in enumerate(["Q2_K", "Q4_K_M", "Q8_0"]):
+        files[f"Tiny-{q}.gguf"] = tiny_gguf(d / f"{q}.gguf", q, rows=8 * (i + 1), seed=i)
+    files["Tiny-Q6_K-00001-of-00002.gguf"] = tiny_gguf(d / "s1.gguf", "Q6_K", seed=10)
+    files["Tiny-Q6_K-00002-of-00002.gguf"] = tiny_gguf(d / "s2.gguf", "Q6_K", seed=11)
+    files["Big-F16.gguf"] = tiny_gguf(d / "big.gguf", "F16", rows=8192)  # 8 MiB, for resume tests
+    hub.add_repo(REPO, files)
+    return files
+
+
+def _cache(tmp_path: Path) -> Path:
+    return tmp_path / "hf-cache" / "models--tester--Tiny-GGUF"
+
+
+# -- selection ---------------------------------------------------------------------------------------
+
+
+def test_select_gguf_follows_llama_cpp():
+    names = ["a/x-Q8_0.gguf", "M-Q2_K.gguf", "M-Q4_K_M.gguf", "M-Q8_0.gguf", "mmproj-M-Q4_K_M.gguf"]
+    assert hubmod.select_gguf(names, None)[:2] == (["M-Q4_K_M.gguf"], "Q4_K_M")
+    assert hubmod.select_gguf(names, "q2_k")[:2] == (["M-Q2_K.gguf"], "Q2_K")
+    files, tag, note = hubmod.select_gguf(["M-Q2_K.gguf", "M.Q8_0.gguf"], None)
+    assert (files, tag) == (["M.Q8_0.gguf"], "Q8_0") and "Q4_K_M" in note
+    assert hubmod.select_gguf(["M-Q3_K_M.gguf", "M-Q5_K_M.gguf", "M-Q2_K.gguf"], None)[1] == "Q5_K_M"
+    split = [f"M-Q6_K-0000{i}-of-00003.gguf" for i in (3, 1, 2)]
+    assert hubmod.select_gguf(split + ["M-Q2_K.gguf"], "Q6_K")[0] == sorted(split)
+    with pytest.raises(ModelNotFoundError, match="Q2_K, Q4_K_M, Q8_0"):
+        hubmod.select_gguf(names, "Q5_K_M")
+    with pytest.raises(HubError):
+        hubmod.select_gguf(["mmproj-x-F16.gguf", "README.md"], None)
+
+
+def test_parse_spec_validates():
+    assert hubmod.parse_spec("hf.co/a/b-GGUF:q4_k_m") == ("a/b-GGUF", "q4_k_m")
+    assert hubmod.parse_spec("https://huggingface.co/a/b") == ("a/b", None)
+    for bad in ("a", "a/b/c", "../b", "a/..", "a/b c", "a/b:../x", "/a/b"):
+        with pytest.raises(ValueError):
+            hubmod.parse_spec(bad)
+
+
+# -- GGUF pulls --------------------------------------------------------------------------------------
+
+
+def test_pull_gguf_default_quant_registers_hub_source(hub, gguf_repo, tmp_path):
+    from huggingface_hub import hf_hub_download
+
+    events = []
+    result = hubmod.pull(REPO, on_progress=events.append)
+    m = result.manifest
+    assert (m.name, m.tag, m.quant, m.owned) == ("tiny", "q4_k_m", "Q4_K_M", False)
+    commit = hub.repos[REPO].refs["main"]
+    assert m.source["kind"] == "hub" and m.source["repo"] == REPO and m.source["revision"] == commit
+    assert m.source["files"] == ["Tiny-Q4_K_M.gguf"]
+    sha = hub.repos[REPO].commits[commit]["Tiny-Q4_K_M.gguf"].sha256
+    assert m.source["sha256"] == {"Tiny-Q4_K_M.gguf": sha} and m.sha256 == sha
+    # the standard cache layout: huggingface_hub finds it offline, the blob is named by its sha256
+    found = hf_hub_download(REPO, "Tiny-Q4_K_M.gguf", local_files_only=True)
+    assert Path(found) == Path(m.file) and os.path.realpath(found).endswith(f"/blobs/{sha}")
+    assert (_cache(tmp_path) / "refs" / "main").read_text() == commit
+    assert read_gguf(m.file).file_type == "Q4_K_M"
+    assert Store().get("tiny:q4_k_m").file == m.file
+    kinds = {type(e).__name__ for e in events}
+    assert {"PullPlan", "DownloadProgress", "PullStage"} <= kinds
+    last = [e for e in events if isinstance(e, hubmod.DownloadProgress)][-1]
+    assert (last.status, last.done, last.total) == ("done", last.total, m.size)
+    # only the chosen file went over the wire
+    assert [r.path for r in hub.requests("GET", "/resolve/")] == [f"/{REPO}/resolve/{commit}/Tiny-Q4_K_M.gguf"]
+
+
+def test_pull_split_gguf_fetches_and_validates_every_part(hub, gguf_repo):
+    result = hubmod.pull(f"{REPO}:Q6_K")
+    m = result.manifest
+    assert m.tag == "q6_k" and len(result.paths) == 2
+    assert m.file.endswith("Tiny-Q6_K-00001-of-00002.gguf")  # the snapshot name llama.cpp needs
+    assert Path(m.file).parent == result.paths[1].parent
+    assert m.size == sum(p.stat().st_size for p in result.paths)
+    assert m.source["files"] == ["Tiny-Q6_K-00001-of-00002.gguf", "Tiny-Q6_K-00002-of-00002.gguf"]
+
+
+def test_unknown_quant_lists_what_the_repo_has(hub, gguf_repo):
+    with pytest.raises(ModelNotFoundError, match="no Q5_K_M file.*Q2_K"):
+        hubmod.pull(f"{REPO}:Q5_K_M")
+
+
+def test_revision_pins_commit_and_writes_ref(hub, gguf_repo, tmp_path):
+    v2 = hub.add_repo(REPO, {"Tiny-Q8_0.gguf": tiny_gguf(tmp_path / "v2.gguf", "Q8_0", seed=99)}, revision="v2")
+    m = hubmod.pull(f"{REPO}:Q8_0", revision="v2").manifest
+    assert m.source["revision"] == v2 and m.source["ref"] == "v2"
+    assert (_cache(tmp_path) / "refs" / "v2").read_text() == v2
+    assert f"/snapshots/{v2}/" in m.file
+    with pytest.raises(ModelNotFoundError, match="revision"):
+        hubmod.pull(REPO, revision="nope")
+
+
+def test_redirected_downloads_work(hub, gguf_repo):
+    hub.redirect = True
+    assert hubmod.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
+    assert hub.requests("GET", "/_cdn/")
+
+
+# -- interruption and resume -------------------------------------------------------------------------
+
+
+def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_repo, tmp_path):
+    size = Path(gguf_repo["Big-F16.gguf"]).stat().st_size
+    cut = 3_000_000
+    hub.cut_at[(REPO, "Big-F16.gguf")] = cut
+    with pytest.raises(OfflineError, match="run the same pull again to resume"):
+        hubmod.pull(f"{REPO}:F16")
+    blobs = _cache(tmp_path) / "blobs"
+    partials = list(blobs.glob("*.incomplete"))
+    assert len(partials) == 1 and partials[0].stat().st_size == cut
+    assert not [p for p in blobs.iterdir() if not p.name.endswith(".incomplete")]
+    assert Store().find("tiny:f16") is None
+
+    del hub.cut_at[(REPO, "Big-F16.gguf")]
+    before = len(hub.log)
+    result = hubmod.pull(f"{REPO}:F16")
+    ranges = [r.range for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path]
+    assert ranges == [f"bytes={cut}-"]
+    assert result.downloaded_bytes == size - cut
+    assert result.plan.partial_bytes == cut
+    assert not list(blobs.glob("*.incomplete"))
+    assert read_gguf(result.manifest.file).parameter_count == 8192 * 256
+
+
+def test_ctrl_c_keeps_partial_and_next_run_resumes(hub, gguf_repo, tmp_path, monkeypatch):
+    monkeypatch.setattr(hubmod, "_EMIT_EVERY_S", 0.0)
+
+    def interrupt(ev):
+        if isinstance(ev, hubmod.DownloadProgress) and ev.status == "downloading" and ev.done >= 2_000_000:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        hubmod.pull(f"{REPO}:F16", on_progress=interrupt)
+    (partial,) = (_cache(tmp_path) / "blobs").glob("*.incomplete")
+    kept = partial.stat().st_size
+    assert 2_000_000 <= kept < 8_000_000
+
+    before = len(hub.log)
+    events = []
+    result = hubmod.pull(f"{REPO}:F16", on_progress=events.append)
+    ranges = [r.range for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path]
+    assert ranges == [f"bytes={kept}-"]
+    assert any(isinstance(e, hubmod.DownloadProgress) and e.resumed_from == kept for e in events)
+    assert result.manifest.tag == "f16"
+
+
+def test_cancel_event_keeps_partial(hub, gguf_repo, tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(hubmod, "_EMIT_EVERY_S", 0.0)
+    stop = threading.Event()
+
+    def on_progress(ev):
+        if isinstance(ev, hubmod.DownloadProgress) and ev.done >= 1_000_000:
+            stop.set()
+
+    with pytest.raises(Cancelled):
+        hubmod.pull(f"{REPO}:F16", on_progress=on_progress, cancel=stop)
+    assert list((_cache(tmp_path) / "blobs").glob("*.incomplete"))
+
+
+# -- integrity ---------------------------------------------------------------------------------------
+
+
+def test_corrupted_body_is_deleted_and_a_retry_downloads_again(hub, gguf_repo, tmp_path):
+    hub.corrupt.add((REPO, "Tiny-Q8_0.gguf"))
+    with pytest.raises(IntegrityError, match="sha256 mismatch for Tiny-Q8_0.gguf.*deleted"):
+        hubmod.pull(f"{REPO}:Q8_0")
+    cache = _cache(tmp_path)
+    assert not [p for p in (cache / "blobs").iterdir()]
+    assert not list((cache / "snapshots").rglob("*.gguf"))
+    assert Store().find("tiny:q8_0") is None
+    hub.corrupt.clear()
+    before = len(hub.log)
+    assert hubmod.pull(f"{REPO}:Q8_0").manifest.tag == "q8_0"
+    assert [r.range for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path] == [None]
+
+
+def test_small_files_are_checked_against_their_git_sha1(hub, tmp_path):
+    hub.add_repo("tester/cfg", {"config.json": '{"a": 1}', "model.safetensors": b"x" * 100})
+    hub.corrupt.add(("tester/cfg", "config.json"))
+    with pytest.raises(IntegrityError, match="git sha1 mismatch for config.json"):
+        hubmod.pull_source("tester/cfg")
+    hub.corrupt.clear()
+    folder = hubmod.pull_source("tester/cfg")
+    assert (folder / "config.json").read_text() == '{"a": 1}'
+
+
+def test_reuses_a_file_huggingface_hub_downloaded(hub, gguf_repo):
+    from huggingface_hub import hf_hub_download
+
+    path = hf_hub_download(REPO, "Tiny-Q8_0.gguf")
+    before = len(hub.log)
+    result = hubmod.pull(f"{REPO}:Q8_0")
+    assert not [r for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path]
+    assert result.downloaded_bytes == 0 and result.reused_bytes == Path(path).stat().st_size
+    assert Path(result.manifest.file) == Path(path)
+
+
+def test_a_damaged_blob_stored_by_huggingface_hub_is_replaced(hub, gguf_repo):
+    from huggingface_hub import hf_hub_download
+
+    hub.corrupt.add((REPO, "Tiny-Q8_0.gguf"))
+    bad = hf_hub_download(REPO, "Tiny-Q8_0.gguf")  # the client keeps the corrupted body, unverified
+    hub.corrupt.clear()
+    result = hubmod.pull(f"{REPO}:Q8_0")
+    assert result.downloaded_bytes > 0
+    assert Path(result.manifest.file) == Path(bad)
+    assert result.manifest.sha256 == hubmod._hash_file(Path(bad), result.plan.files[0]).hexdigest()
+
+
+# -- errors from the server --------------------------------------------------------------------------
+
+
+def test_missing_repo(hub):
+    with pytest.raises(ModelNotFoundError, match="tester/nothing not found"):
+        hubmod.pull("tester/nothing")
+
+
+def test_gated_repo_needs_a_token(hub, gguf_repo, monkeypatch):
+    hub.tokens[REPO] = "hf_secret"
+    with pytest.raises(AuthenticationError) as e:
+        hubmod.pull(REPO)
+    assert "hf auth login" in str(e.value) and "HF_TOKEN" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(AuthenticationError):
+        hubmod.pull(REPO, token="hf_wrong")
+    assert hubmod.pull(REPO, token="hf_secret").manifest.tag == "q4_k_m"
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert hubmod.pull(f"{REPO}:Q8_0").manifest.tag == "q8_0"
+
+
+@pytest.mark.parametrize("name", ["../evil.gguf", "a/../../evil.gguf", "/tmp/evil.gguf", "a\\..\\evil.gguf"])
+def test_hostile_file_names_are_refused(hub, tmp_path, name):
+    hub.add_repo("evil/Repo-GGUF", {name: tiny_gguf(tmp_path / "e.gguf", "Q4_K_M"), "ok-Q8_0.gguf": b"GGUF"})
+    with pytest.raises(HubError, match="refusing file name"):
+        hubmod.pull("evil/Repo-GGUF")
+    assert not list(tmp_path.rglob("evil.gguf"))
+    assert not list((tmp_path / "hf-cache").rglob("*.gguf"))
+
+
+def test_not_enough_disk_refuses_before_writing(hub, gguf_repo, tmp_path):
+    hub.fake_size[(REPO, "Tiny-Q4_K_M.gguf")] = 10**15
+    p = hubmod.plan(REPO)
+    assert p.total_bytes == 10**15 and p.disk_shortfall() is not None
+    with pytest.raises(DiskSpaceError, match="not enough disk space"):
+        hubmod.pull(REPO)
+    cache = _cache(tmp_path)
+    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()]
+    assert Store().find("tiny:q4_k_m") is None
+    assert not hub.requests("GET", "/resolve/")
+
+
+# -- offline -----------------------------------------------------------------------------------------
+
+
+def test_offline_uses_only_the_cache(hub, gguf_repo, monkeypatch):
+    from huggingface_hub import constants
+
+    first = hubmod.pull(f"{REPO}:Q8_0").manifest
+    Store().remove(first.ref)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    before = len(hub.log)
+    m = hubmod.pull(REPO).manifest  # default quant, chosen among the cached files
+    assert (m.tag, m.file) == ("q8_0", first.file)
+    assert m.source["revision"] == first.source["revision"]
+    assert len(hub.log) == before
+    with pytest.raises(OfflineError, match="not in the Hugging Face cache"):
+        hubmod.pull("tester/other-GGUF")
+
+
+def test_unreachable_endpoint_falls_back_to_cache(hub, gguf_repo, monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    hubmod.pull(f"{REPO}:Q2_K")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    assert hubmod.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
+    with pytest.raises(OfflineError, match="cannot reach"):
+        hubmod.pull("tester/other-GGUF")
+
+
+# -- plan, disk use, purge ---------------------------------------------------------------------------
+
+
+def test_plan_counts_cached_bytes(hub, gguf_repo):
+    p = hubmod.plan(f"{REPO}:Q8_0")
+    assert (p.kind, p.quant, p.cached_bytes) == ("gguf", "Q8_0", 0)
+    assert p.download_bytes == p.total_bytes == Path(gguf_repo["Tiny-Q8_0.gguf"]).stat().st_size
+    assert p.ram_needed_bytes > p.weights_bytes and p.fits_ram is True
+    hubmod.pull(f"{REPO}:Q8_0")
+    assert hubmod.plan(f"{REPO}:Q8_0").download_bytes == 0
+
+
+def test_disk_usage_and_purge_cache(hub, gguf_repo, tmp_path):
+    m8 = hubmod.pull(f"{REPO}:Q8_0").manifest
+    m2 = hubmod.pull(f"{REPO}:Q2_K").manifest
+    du = hubmod.disk_usage()
+    rows = {r.ref: r for r in du.rows}
+    assert rows["tiny:q8_0"].cache_bytes == m8.size and rows["tiny:q8_0"].store_bytes == 0
+    assert du.cache_bytes == m8.size + m2.size
+    freed = hubmod.purge_cache(m8)
+    assert freed == m8.size and not os.path.lexists(m8.file)
+    assert Path(m2.file).is_file()  # the other model's files stay
+    assert hubmod.purge_cache(m2) == m2.size
+    assert not _cache(tmp_path).exists()
