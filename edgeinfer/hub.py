@@ -1075,52 +1075,51 @@ def _convert_and_quantize(
     on_progress: ProgressCallback,
     cancel: Cancel,
 ) -> tuple[Any, Any]:
+    """safetensors → F16 GGUF (edgeinfer.convert) → the profile's quant (edgeinfer.quantize)."""
     try:
         from .convert import convert_model
-    except ImportError as e:
-        raise ConversionError(f"this repo has only safetensors and the converter is not available: {e}") from None
-    try:
         from .quantize import quantize_model
     except ImportError as e:
-        raise ConversionError(f"this repo has only safetensors and the quantizer is not available: {e}") from None
-    from .fsutil import atomic_path
+        raise ConversionError(f"{snap.repo} has only safetensors and conversion is not available: {e}") from None
 
     folder = snap.storage / "snapshots" / snap.commit
-    tag = pl.quant.lower()
-    f16_path = store.model_path(name, "f16")
-    _emit(on_progress, PullStage("convert", f"converting {snap.repo} to GGUF (F16)"))
-    f16_manifest = None
-    with atomic_path(f16_path) as tmp_f16:
-        _call(convert_model, folder, tmp_f16, cancel=cancel)
+    f16_ref = f"{name}:f16"
+    existing = store.find(f16_ref)
+    # An F16 kept by an earlier pull of the same commit is reused: "keep the f16 for later quants".
+    reuse = existing is not None and (existing.source or {}).get("revision") == snap.commit and existing.path.exists()
+    if not reuse:
+        _emit(on_progress, PullStage("convert", f"converting {snap.repo} to GGUF (F16)"))
+        conv = convert_model(
+            folder, "f16", store=store, name=name, repo_id=snap.repo, on_progress=on_progress, cancel=cancel
+        )
+        f16 = conv.manifest
+        f16.source = {**source, "converted": "f16"}
+        store.save(f16)
+    else:
+        f16 = existing
+    keep = keep_f16 or reuse or existing is not None
+    try:
         if _cancelled(cancel):
             raise Cancelled("pull cancelled")
-        if pl.quant in ("F16",):
-            pass
-        out = store.model_path(name, tag)
-        _emit(on_progress, PullStage("quantize", f"quantizing to {pl.quant}" + (f" ({prof.name})" if prof else "")))
-        with atomic_path(out) as tmp_q:
-            _call(quantize_model, tmp_f16, tmp_q, profile=prof, quant=pl.quant, cancel=cancel)
-        if keep_f16:
-            tmp_f16.replace(f16_path)
-    if keep_f16:
-        f16_manifest = store.register(f16_path, name, "f16", source=source, owned=True)
-    _emit(on_progress, PullStage("register", f"registering {name}:{tag}"))
-    derived = f16_manifest.ref if f16_manifest is not None else None
-    manifest = store.register(out, name, tag, source=source, owned=True, derived_from=derived)
-    return manifest, f16_manifest
-
-
-def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call a sibling helper's function with only the keyword arguments it accepts."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn(*args, **kwargs)
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params and v is not None}
-    return fn(*args, **kwargs)
+        what = pl.quant + (f" (profile {prof.name})" if prof is not None else "")
+        _emit(on_progress, PullStage("quantize", f"quantizing to {what}"))
+        q = quantize_model(
+            f16.ref, pl.quant, store=store, profile=prof, name=name, overwrite=True, on_progress=on_progress
+        )
+    except BaseException:
+        if not keep:
+            with contextlib.suppress(EdgeInferError, OSError):
+                store.remove(f16.ref)
+        raise
+    manifest = q.manifest
+    manifest.source = {**source, "converted": "f16", **({"profile": prof.name} if prof is not None else {})}
+    manifest.derived_from = f16.ref if keep else None
+    _emit(on_progress, PullStage("register", f"registered {manifest.ref}"))
+    store.save(manifest)
+    if not keep:
+        store.remove(f16.ref)
+        return manifest, None
+    return manifest, f16
 
 
 # -- cache housekeeping ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Knobs, per file (`repo_id`, `path`), for the failure tests:
   corrupt.add((repo, path))    the body served has one byte flipped
   fake_size[(repo, path)] = N  the listings and HEAD report N bytes
   tokens[repo] = "tok"         the repo is gated: 401 GatedRepo without `Authorization: Bearer tok`
+  slow[(repo, path)] = s       bodies go out in 64 KiB pieces with s seconds between them
   redirect = True              resolve answers 302 to /_cdn/{sha} as the Hub does for LFS files
 Every request is appended to `log` (method, path, Range header, whether it carried a token, status).
 """
@@ -26,12 +27,13 @@ import hashlib
 import json
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-__all__ = ["HubServer", "RequestRecord", "git_blob_sha1", "LFS_SUFFIXES"]
+__all__ = ["HubServer", "RequestRecord", "git_blob_sha1", "tiny_gguf", "point_client_at", "LFS_SUFFIXES"]
 
 LFS_SUFFIXES = (".gguf", ".safetensors", ".bin")
 _CHUNK = 1 << 20
@@ -105,6 +107,7 @@ class HubServer:
         self.corrupt: set[tuple[str, str]] = set()
         self.fake_size: dict[tuple[str, str], int] = {}
         self.tokens: dict[str, str] = {}
+        self.slow: dict[tuple[str, str], float] = {}
         self.redirect = False
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -392,9 +395,13 @@ class _Handler(BaseHTTPRequestHandler):
         cut = hub.cut_at.get((repo_id, f.path))
         stop = min(end, cut) if cut is not None and cut < end else end
         flip = total // 2 if (repo_id, f.path) in hub.corrupt else -1
+        pause = hub.slow.get((repo_id, f.path))
+        piece = _CHUNK if pause is None else 64 * 1024
         pos = start
         while pos < stop:
-            n = min(_CHUNK, stop - pos)
+            if pause is not None and pos > start:
+                time.sleep(pause)
+            n = min(piece, stop - pos)
             block = f.read(pos, pos + n)
             if pos <= flip < pos + n:
                 b = bytearray(block)
@@ -409,3 +416,42 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+# -- helpers for the tests ---------------------------------------------------------------------------
+
+
+def tiny_gguf(path: Path, quant: str, rows: int = 8, seed: int = 0) -> Path:
+    """A small valid GGUF (one F32 tensor of `rows` x 256) whose general.file_type says `quant`."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"tiny-{quant}")
+    w.add_context_length(64)
+    w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{quant.upper()}"))
+    rng = np.random.default_rng(seed)
+    w.add_tensor("token_embd.weight", rng.standard_normal((rows, 256)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def point_client_at(monkeypatch, url: str, cache: Path) -> None:
+    """Point the already-imported huggingface_hub at `url` and a fresh cache, with no token, online.
+
+    huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE once, at import; in-process tests
+    patch the constants it read (the endpoint and the resolve-URL template built from it must agree,
+    or hf_hub_url keeps pointing at huggingface.co). Subprocess tests set the variables instead.
+    """
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(cache.parent / "no-token"))
+    for var in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)

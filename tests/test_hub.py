@@ -8,10 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
-from hub_server import HubServer
+from hub_server import HubServer, point_client_at, tiny_gguf
 
 from edgeinfer import hub as hubmod
 from edgeinfer.errors import (
@@ -27,44 +25,13 @@ from edgeinfer.gguf_file import read_gguf
 from edgeinfer.store import Store
 
 REPO = "tester/Tiny-GGUF"
-_FTYPES = {
-    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
-    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
-    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
-    "F16": gguf.LlamaFileType.MOSTLY_F16,
-}
-
-
-def tiny_gguf(path: Path, quant: str, rows: int = 8, seed: int = 0) -> Path:
-    """A small valid GGUF (one F32 tensor) whose general.file_type says `quant`."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"tiny-{quant}")
-    w.add_context_length(64)
-    w.add_file_type(_FTYPES[quant])
-    rng = np.random.default_rng(seed)
-    w.add_tensor("token_embd.weight", rng.standard_normal((rows, 256)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """A local Hub, with huggingface_hub pointed at it and at a fresh cache."""
-    from huggingface_hub import constants
-
     server = HubServer().start()
-    monkeypatch.setattr(constants, "ENDPOINT", server.url)
-    # hf_hub_url builds from this template (computed at import time from HF_ENDPOINT): keep it consistent
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    point_client_at(monkeypatch, server.url, tmp_path / "hf-cache")
     monkeypatch.setattr(hubmod, "_BACKOFF_S", 0.0)
     yield server
     server.stop()
