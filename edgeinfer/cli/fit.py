@@ -1,0 +1,78 @@
+"""`edgeinfer fit MODEL` (memory needed vs available) and `edgeinfer recommend NAME` (which quant to use)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import common_options, format_bytes, print_table
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fit",
+        parents=[common_options()],
+        help="memory a model needs (weights + KV cache + compute) vs the RAM available",
+        description="Estimate the memory to run MODEL with a context of --ctx tokens: weights, KV cache "
+        "(layers × ctx × kv heads × head dim × 2 × bytes of --kv-type) and llama.cpp's compute buffers, "
+        "against MemAvailable. Exit code 0 when it fits, 1 when it does not.",
+    )
+    p.add_argument("model", nargs="?", help="store name or .gguf path (default: the default model)")
+    p.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
+    p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    p.set_defaults(func=run_fit)
+
+    r = sub.add_parser(
+        "recommend",
+        parents=[common_options()],
+        help="the best quant of a model's ladder that fits this machine, with measured quality and speed",
+        description="Among every quant of NAME in the store: the best measured quality that fits in RAM, or with "
+        "--min-quality KLD the fastest one whose measured mean KLD is at most KLD. Measure with "
+        "`edgeinfer eval --ladder NAME` first.",
+    )
+    r.add_argument("name", help="store model name (all its tags form the ladder)")
+    r.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
+    r.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    r.add_argument("--min-quality", type=float, metavar="KLD", help="largest acceptable mean KL divergence")
+    r.set_defaults(func=run_recommend)
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from edgeinfer.fit import fit
+
+    rep = fit(args.model, args.ctx, args.kv_type)
+    e = rep.estimate
+    print(f"model       {rep.model}")
+    print(f"weights     {format_bytes(e.weights)}")
+    print(f"KV cache    {format_bytes(e.kv_cache)}  ({e.n_layer} layers × {e.n_ctx} ctx × {e.n_head_kv} kv heads × "
+          f"{e.head_dim} × 2 × {e.kv_type})")
+    print(f"compute     {format_bytes(e.compute)}  (estimate)")
+    print(f"total       {format_bytes(e.total)}")
+    print(f"available   {format_bytes(rep.available)}")
+    print(f"fits        {'yes' if rep.fits else 'NO'}  (headroom {format_bytes(rep.headroom)})")
+    return 0 if rep.fits else 1
+
+
+def run_recommend(args: argparse.Namespace) -> int:
+    from edgeinfer.fit import recommend
+
+    rec = recommend(args.name, args.ctx, args.kv_type, min_quality=args.min_quality)
+    rows = []
+    for c in rec.candidates:
+        rows.append([
+            ("* " if rec.choice is not None and c.ref == rec.choice.ref else "  ") + c.ref,
+            f"{c.manifest.bits_per_weight:.2f}",
+            format_bytes(c.fit.estimate.total),
+            "yes" if c.fit.fits else "no",
+            "-" if c.kld is None else f"{c.kld:.5f}",
+            "-" if c.same_top is None else f"{c.same_top * 100:.1f}",
+            "-" if c.decode_tok_s is None else f"{c.decode_tok_s:.1f}",
+        ])
+    print_table(rows, ["model", "bits/weight", "memory", "fits", "KLD", "same-top %", "decode tok/s"])
+    print()
+    if rec.choice is None:
+        print(f"no recommendation: {rec.reason}")
+        return 1
+    print(f"recommended: {rec.choice.ref} — {rec.reason}")
+    return 0

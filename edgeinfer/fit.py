@@ -1,0 +1,217 @@
+"""Will a model fit in this machine's memory, and which quant of a ladder to pick.
+
+Memory needed = weights (tensor bytes of the file; llama.cpp maps them) + KV cache
+(n_layer × n_ctx × n_head_kv × head_dim × 2 (K and V) × bytes per element of the KV type)
++ an estimate of llama.cpp's compute buffers (activations of one n_batch-token batch, the logits
+buffer, and the attention scores when flash attention is off). It is compared with MemAvailable
+from /proc/meminfo (and the cgroup's memory limit when one is set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidOptionError, ModelNotFoundError
+from .gguf_file import GGUFInfo, read_gguf
+
+if TYPE_CHECKING:
+    from .store import ModelManifest, Store
+
+__all__ = [
+    "KV_BYTES_PER_ELEMENT",
+    "MemoryEstimate",
+    "FitReport",
+    "Candidate",
+    "Recommendation",
+    "estimate_memory",
+    "available_memory",
+    "fit",
+    "ladder",
+    "recommend",
+]
+
+# Bytes per cached element: f16 = 2; q8_0 = 34 bytes per 32; q4_0 = 18 bytes per 32.
+KV_BYTES_PER_ELEMENT: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+_OVERHEAD = 32 << 20  # context, graph metadata, tokenizer tables, the Python process's share
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    kv_cache: int
+    compute: int
+    total: int
+    n_ctx: int
+    kv_type: str
+    n_layer: int
+    n_head_kv: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class FitReport:
+    model: str
+    estimate: MemoryEstimate
+    available: int  # bytes available now
+    fits: bool
+
+    @property
+    def headroom(self) -> int:
+        return self.available - self.estimate.total
+
+
+def _meta(info: GGUFInfo, key: str, default: Any = None) -> Any:
+    value = info.metadata.get(f"{info.architecture}.{key}", default)
+    if isinstance(value, list):  # per-layer arrays (e.g. head_count_kv on some models): take the max
+        value = max(value) if value else default
+    return value
+
+
+def estimate_memory(info: GGUFInfo, n_ctx: int | None = None, kv_type: str = "f16", n_batch: int = 512,
+                    flash_attn: bool | None = None) -> MemoryEstimate:
+    """Memory to run `info`'s model with an n_ctx-token context (None: min(trained, 4096), like the engine)."""
+    if kv_type not in KV_BYTES_PER_ELEMENT:
+        raise InvalidOptionError(f"unknown KV-cache type {kv_type!r}: choose one of {', '.join(KV_BYTES_PER_ELEMENT)}")
+    trained = info.context_length or 4096
+    n_ctx = n_ctx or min(trained, 4096)
+    if n_ctx < 16:
+        raise InvalidOptionError(f"context size must be at least 16, got {n_ctx}")
+    n_layer = int(_meta(info, "block_count", 0))
+    n_embd = int(_meta(info, "embedding_length", 0))
+    n_head = int(_meta(info, "attention.head_count", 1)) or 1
+    n_head_kv = int(_meta(info, "attention.head_count_kv", n_head)) or n_head
+    head_dim_k = int(_meta(info, "attention.key_length", n_embd // n_head if n_head else 0))
+    head_dim_v = int(_meta(info, "attention.value_length", head_dim_k))
+    n_ff = int(_meta(info, "feed_forward_length", 4 * n_embd))
+    vocab = info.metadata.get("tokenizer.ggml.tokens")
+    n_vocab = getattr(vocab, "length", None) or (len(vocab) if isinstance(vocab, list) else 32000)
+
+    kv_bytes = KV_BYTES_PER_ELEMENT[kv_type]
+    kv_cache = int(n_layer * n_ctx * n_head_kv * (head_dim_k + head_dim_v) * kv_bytes)
+    n_ub = min(n_batch, n_ctx)
+    fa = flash_attn if flash_attn is not None else kv_type != "f16"
+    # f32 activations of one micro-batch: residual stream and attention in/out (~8 × n_embd), FFN
+    # (gate, up, act: 3 × n_ff), the logits of the batch, and the KQ scores without flash attention.
+    activations = 4 * n_ub * (8 * n_embd + 3 * n_ff + n_vocab)
+    scores = 0 if fa else 4 * n_ub * n_ctx * n_head
+    compute = activations + scores + _OVERHEAD
+    weights = info.tensor_bytes
+    return MemoryEstimate(weights, kv_cache, compute, weights + kv_cache + compute, n_ctx, kv_type, n_layer,
+                          n_head_kv, head_dim_k)
+
+
+def available_memory() -> int:
+    """Bytes of RAM available now: /proc/meminfo MemAvailable, capped by a cgroup v2/v1 limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        import os
+
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 0
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            avail = min(avail, max(int(limit) - usage, 0))
+        break
+    return avail
+
+
+def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16", *, store: Store | None = None,
+        available: int | None = None) -> FitReport:
+    """Estimate the memory a model needs and compare it with what is available."""
+    from .store import Store
+
+    store = store or Store()
+    path, manifest = store.resolve(model)
+    est = estimate_memory(read_gguf(path), n_ctx, kv_type)
+    avail = available_memory() if available is None else available
+    return FitReport(manifest.ref if manifest else str(path), est, avail, est.total <= avail)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    manifest: ModelManifest
+    fit: FitReport
+    kld: float | None  # measured (metrics["eval"]), None if not evaluated
+    ppl: float | None
+    same_top: float | None
+    decode_tok_s: float | None  # measured (metrics["bench"])
+
+    @property
+    def ref(self) -> str:
+        return self.manifest.ref
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    choice: Candidate | None
+    candidates: tuple[Candidate, ...]  # every member of the ladder, largest first
+    reason: str
+
+
+def ladder(name: str, *, store: Store | None = None) -> list[ModelManifest]:
+    """Every store model named `name` (all its tags), largest file first."""
+    from .store import Store, parse_ref
+
+    store = store or Store()
+    base, _ = parse_ref(name)
+    members = [m for m in store.list() if m.name == base and Path(m.file).exists()]
+    if not members:
+        raise ModelNotFoundError(f"no model named {base} in the store (see `edgeinfer list`)")
+    return sorted(members, key=lambda m: (-m.size, m.tag))
+
+
+def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_quality: float | None = None,
+              store: Store | None = None, available: int | None = None) -> Recommendation:
+    """The quant of ladder `name` to use on this machine.
+
+    Without `min_quality`: the highest-quality member that fits (lowest measured KLD; members not
+    evaluated rank by bits per weight). With `min_quality` (a maximum mean KLD): the fastest member
+    that fits and whose measured KLD is at most that (decode tok/s if benchmarked, else the smallest).
+    """
+    from .store import Store
+
+    store = store or Store()
+    avail = available_memory() if available is None else available
+    cands = []
+    for m in ladder(name, store=store):
+        ev = m.metrics.get("eval") or {}
+        bench = m.metrics.get("bench") or {}
+        report = fit(m.ref, n_ctx, kv_type, store=store, available=avail)
+        cands.append(Candidate(m, report, ev.get("kld"), ev.get("ppl"), ev.get("same_top"), bench.get("decode_tok_s")))
+    fitting = [c for c in cands if c.fit.fits]
+    if not fitting:
+        smallest = min(cands, key=lambda c: c.fit.estimate.total)
+        return Recommendation(None, tuple(cands), f"nothing fits: the smallest, {smallest.ref}, needs "
+                              f"{smallest.fit.estimate.total / 1e9:.2f} GB, {avail / 1e9:.2f} GB available")
+    if min_quality is not None:
+        good = [c for c in fitting if c.kld is not None and c.kld <= min_quality]
+        if not good:
+            measured = [c for c in fitting if c.kld is not None]
+            hint = "" if measured else " (none is evaluated yet: run `edgeinfer eval --ladder NAME`)"
+            return Recommendation(None, tuple(cands), f"no member that fits has KLD <= {min_quality}{hint}")
+        choice = max(good, key=lambda c: (c.decode_tok_s or 0.0, -c.manifest.size))
+        why = "fastest" if any(c.decode_tok_s for c in good) else "smallest"
+        return Recommendation(choice, tuple(cands), f"the {why} that fits with KLD <= {min_quality}")
+    choice = min(fitting, key=lambda c: (c.kld if c.kld is not None else float("inf"), -c.manifest.bits_per_weight))
+    why = "lowest measured KLD" if choice.kld is not None else "most bits per weight (not evaluated yet)"
+    return Recommendation(choice, tuple(cands), f"the best quality that fits: {why}")
