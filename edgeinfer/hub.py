@@ -686,6 +686,49 @@ def _ensure_file(
         return _Fetch(pointer, downloaded, 0)
 
 
+class _Sink:
+    """Writes and hashes received bytes on a helper thread, overlapping with the network reads
+    (file writes and hashlib release the GIL). Leaving the block drains the queue first, so after
+    Ctrl-C or a cut connection the partial file holds every byte that arrived, in order."""
+
+    def __init__(self, path: Path, offset: int, hasher: _Hasher):
+        import queue
+        import threading
+
+        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=512)
+        self._file = open(path, "r+b" if offset else "wb")
+        self._file.seek(offset)
+        self._file.truncate()
+        self._hasher = hasher
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="edgeinfer-pull-sink", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._q.get()) is not None:
+            if self._error is None:
+                try:
+                    self._file.write(chunk)
+                    self._hasher.update(chunk)
+                except BaseException as e:  # a full disk: reported to the receiving thread
+                    self._error = e
+
+    def put(self, chunk: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put(chunk)
+
+    def __enter__(self) -> _Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._q.put(None)
+        self._thread.join()
+        self._file.close()
+        if self._error is not None and exc[0] is None:
+            raise self._error
+
+
 def _download(
     snap: _Snapshot,
     f: HubFile,
@@ -740,12 +783,9 @@ def _download(
                         have, hasher = 0, _Hasher(f)
                         partial.unlink(missing_ok=True)
                         continue
-                with open(partial, "r+b" if have else "wb") as out:
-                    out.seek(have)
-                    out.truncate()
+                with _Sink(partial, have, hasher) as sink:
                     for chunk in r.iter_bytes():  # as they arrive: a cut loses no buffered bytes
-                        out.write(chunk)
-                        hasher.update(chunk)
+                        sink.put(chunk)
                         have += len(chunk)
                         fetched += len(chunk)
                         progressed = True
@@ -1054,13 +1094,30 @@ def _register_gguf(
     first = pl.files[0]
     tag = (pl.quant or infos[0].file_type or "latest").lower()
     _emit(on_progress, PullStage("register", f"registering {name}:{tag}"))
-    manifest = store.register(
-        paths[0], name, tag, source=source, owned=False, sha256=first.sha256 or None, info=infos[0]
+    # Not store.register(): it records the resolved path, and llama.cpp finds the other parts of a
+    # split GGUF by name next to the first one (a blob's hash name has none); keep the snapshot path.
+    import datetime as _dt
+
+    from .fsutil import sha256_file
+    from .store import ModelManifest, parse_ref
+
+    parse_ref(f"{name}:{tag}")
+    info = infos[0]
+    manifest = ModelManifest(
+        name=name,
+        tag=tag,
+        file=str(paths[0].absolute()),
+        sha256=first.sha256 or sha256_file(paths[0]),
+        size=sum(f.size for f in pl.files),
+        architecture=info.architecture,
+        parameters=sum(i.parameter_count for i in infos),
+        context_length=info.context_length,
+        quant=info.file_type,
+        bits_per_weight=round(8.0 * sum(i.tensor_bytes for i in infos) / max(sum(i.parameter_count for i in infos), 1), 4),
+        source=source,
+        created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        owned=False,
     )
-    # The store records resolved paths; keep the snapshot name instead, because llama.cpp finds the
-    # other parts of a split GGUF by name next to the first one, and a blob's hash name has none.
-    manifest.file = str(paths[0].absolute())
-    manifest.size = sum(f.size for f in pl.files)
     return store.save(manifest)
 
 
