@@ -1,0 +1,506 @@
+"""Quantization through llama.cpp's own quantizer (`llama_model_quantize`, via llama-cpp-python's ctypes).
+
+    result = quantize_model("smollm2-135m-instruct:f16", "Q4_K_M")
+    result.manifest.ref, result.bits_per_weight, result.fallbacks
+
+The output is written under a temporary name inside the store, validated with `read_gguf`, renamed,
+then registered with `derived_from` = the source. The C call cannot be interrupted, so it runs in a
+worker thread; Ctrl-C in the calling thread waits for it to return, deletes the partial file and
+re-raises, so an interrupted or failed run leaves neither a store entry nor a stray file.
+
+There is no progress callback in llama.cpp; it logs one line per tensor, which is captured with
+`llama_log_set` while the call runs (the previous logger is restored afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidOptionError, QuantizationError, StoreError
+from .fsutil import atomic_path, ensure_free_space
+from .gguf_file import GGUFInfo, read_gguf
+
+if TYPE_CHECKING:
+    from .profiles import QuantProfile
+    from .store import ModelManifest, Store
+
+__all__ = [
+    "QUANT_TYPES",
+    "TENSOR_TYPES",
+    "QuantizeProgress",
+    "Fallback",
+    "QuantizeResult",
+    "quantize_model",
+    "available_quant_types",
+    "find_fallbacks",
+    "default_tag",
+    "PARAMS_SIZE",
+]
+
+# Quant (file) types: name -> (llama_ftype, the ggml type most weights get). The k-quant mixes
+# (_S/_M/_L) give some tensors a larger k-type by recipe; rows whose length is not a multiple of
+# the block size fall back to other types (see find_fallbacks).
+QUANT_TYPES: dict[str, tuple[int, str]] = {
+    "F32": (0, "F32"),
+    "F16": (1, "F16"),
+    "BF16": (32, "BF16"),
+    "Q8_0": (7, "Q8_0"),
+    "Q6_K": (18, "Q6_K"),
+    "Q5_K_M": (17, "Q5_K"),
+    "Q5_K_S": (16, "Q5_K"),
+    "Q5_1": (9, "Q5_1"),
+    "Q5_0": (8, "Q5_0"),
+    "Q4_K_M": (15, "Q4_K"),
+    "Q4_K_S": (14, "Q4_K"),
+    "Q4_1": (3, "Q4_1"),
+    "Q4_0": (2, "Q4_0"),
+    "IQ4_NL": (25, "IQ4_NL"),
+    "IQ4_XS": (30, "IQ4_XS"),
+    "Q3_K_L": (13, "Q3_K"),
+    "Q3_K_M": (12, "Q3_K"),
+    "Q3_K_S": (11, "Q3_K"),
+    "Q2_K": (10, "Q2_K"),
+}
+
+# ggml tensor types a single tensor may be given (output, embedding, overrides).
+TENSOR_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0",
+    "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K",
+)  # fmt: skip
+
+# sizeof(llama_model_quantize_params) in llama-cpp-python 0.3.36 on 64-bit: 4 ints, 6 bools + pad,
+# 4 pointers, one size_t. The struct is passed by pointer but built from the by-value default.
+PARAMS_SIZE = 64
+_PINNED_BINDING = "0.3.36"
+
+_TENSOR_RE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[[^\]]*\],\s*type\s*=\s*(\w+)")
+_CONVERT_RE = re.compile(r"converting to (\w+)")
+
+
+@dataclass(frozen=True)
+class QuantizeProgress:
+    """One tensor finished: `tensor_index` counts from 1 to `n_tensors`."""
+
+    tensor_index: int
+    n_tensors: int
+    tensor_name: str
+    type_name: str  # the type it was written in
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A tensor that could not take the requested type because of its shape."""
+
+    tensor: str
+    shape: tuple[int, ...]
+    requested: str  # ggml type the recipe asked for
+    got: str  # ggml type actually in the file
+    reason: str
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    manifest: ModelManifest
+    path: Path
+    qtype: str
+    bits_per_weight: float  # effective, over every tensor of the output file
+    size: int
+    fallbacks: tuple[Fallback, ...]
+    type_counts: dict[str, int]  # tensors per ggml type in the output
+    type_bytes: dict[str, int]
+    seconds: float
+    requantized: bool  # the source held quantized weights (quality is lost twice)
+    source: str  # store ref or path of the source
+    log_tail: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def ref(self) -> str:
+        return self.manifest.ref
+
+
+def _binding() -> Any:
+    import llama_cpp
+
+    version = getattr(llama_cpp, "__version__", "?")
+    size = ctypes.sizeof(llama_cpp.llama_model_quantize_params)
+    if size != PARAMS_SIZE or version != _PINNED_BINDING:
+        raise QuantizationError(
+            f"llama-cpp-python {version} has a llama_model_quantize_params of {size} bytes; edgeinfer "
+            f"was built against {_PINNED_BINDING} ({PARAMS_SIZE} bytes) — reinstall llama-cpp-python=={_PINNED_BINDING}"
+        )
+    return llama_cpp
+
+
+def available_quant_types() -> tuple[str, ...]:
+    """The quant types the installed llama.cpp has (an LLAMA_FTYPE_MOSTLY_* constant for each)."""
+    llama_cpp = _binding()
+    out = []
+    for name, (ftype, _) in QUANT_TYPES.items():
+        const = "LLAMA_FTYPE_ALL_F32" if name == "F32" else f"LLAMA_FTYPE_MOSTLY_{name}"
+        if getattr(llama_cpp, const, None) == ftype:
+            out.append(name)
+    return tuple(out)
+
+
+def _ggml_type_id(name: str) -> int:
+    from gguf.constants import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[name])
+
+
+def _block_size(type_name: str) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+
+
+def _check_tensor_type(what: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    up = value.upper()
+    if up not in TENSOR_TYPES:
+        raise InvalidOptionError(f"unknown {what} type {value!r}: choose one of {', '.join(TENSOR_TYPES)}")
+    return up
+
+
+def _requested_type(name: str, base: str, output_type: str | None, embedding_type: str | None,
+                    overrides: Sequence[tuple[str, str]]) -> str:
+    for pattern, t in overrides:
+        if re.search(pattern, name):
+            return t
+    if name == "output.weight" and output_type:
+        return output_type
+    if name == "token_embd.weight" and embedding_type:
+        return embedding_type
+    return base
+
+
+def find_fallbacks(
+    info: GGUFInfo,
+    qtype: str,
+    *,
+    output_type: str | None = None,
+    embedding_type: str | None = None,
+    overrides: Sequence[tuple[str, str]] = (),
+) -> tuple[Fallback, ...]:
+    """Tensors of a quantized file that did not get the requested type because their rows do not fit.
+
+    Computed from the file: a weight matrix whose row length is not a multiple of the requested
+    type's block (256 for k-quants) and whose type differs from it. 1-D tensors (norms) are kept
+    in F32 by design and are not fallbacks.
+    """
+    base = QUANT_TYPES[qtype.upper()][1]
+    out = []
+    for t in info.tensors:
+        if len(t.shape) < 2:
+            continue
+        want = _requested_type(t.name, base, output_type, embedding_type, overrides)
+        block = _block_size(want)
+        if t.type_name != want and t.shape[0] % block:
+            out.append(Fallback(t.name, t.shape, want, t.type_name,
+                                f"row length {t.shape[0]} is not a multiple of {want}'s block of {block}"))
+    return tuple(out)
+
+
+def default_tag(qtype: str, profile: QuantProfile | None = None, *, custom: bool = False, imatrix: bool = False) -> str:
+    """`q4_k_m`; a profile that changes more than the weights type adds its name (`q2_k-tiny`)."""
+    tag = qtype.lower()
+    if profile is not None and (profile.output_type or profile.embedding_type or profile.overrides):
+        tag += f"-{profile.name}"
+    elif custom:
+        tag += "-custom"
+    if imatrix:
+        tag += "-imat"
+    return tag
+
+
+_QUANT_SUFFIX = re.compile(r"[-_.](f32|f16|bf16|q\d(_k)?(_[0-9a-z]+)?|iq\d_[a-z]+)$", re.IGNORECASE)
+
+
+def _source_name(path: Path, manifest: ModelManifest | None) -> str:
+    from .store import normalize_name
+
+    if manifest is not None:
+        return manifest.name
+    return normalize_name(_QUANT_SUFFIX.sub("", path.stem))
+
+
+class _LogCapture:
+    """Parse llama.cpp's per-tensor log lines into QuantizeProgress events while a block runs."""
+
+    def __init__(self, llama_cpp: Any, on_progress: Callable[[QuantizeProgress], None] | None):
+        self.ll = llama_cpp
+        self.on_progress = on_progress
+        self.lines: list[str] = []
+        self._buf = ""
+        self._current: tuple[int, int, str, str] | None = None
+        self.converted: dict[str, str] = {}
+        self.callback_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def feed(self, level: int, text: str) -> None:
+        try:
+            with self._lock:
+                self._buf += text
+                # a tensor's record arrives in fragments ("[ 3/30] name - [..], type = f16, ",
+                # "converting to q4_K .. ", "size = ... MiB\n"): parse complete lines only
+                while "\n" in self._buf:
+                    line, self._buf = self._buf.split("\n", 1)
+                    self._line(line)
+        except BaseException as e:  # never let an exception reach C
+            self.callback_error = e
+
+    def _line(self, line: str) -> None:
+        if not line.strip():
+            return
+        self.lines.append(line)
+        del self.lines[:-200]
+        m = _TENSOR_RE.search(line)
+        if m is not None:
+            self._current = (int(m.group(1)), int(m.group(2)), m.group(3), m.group(4).upper())
+        c = _CONVERT_RE.search(line)
+        if c and self._current is not None:
+            self.converted[self._current[2]] = c.group(1).upper()
+        if "size =" in line and self._current is not None:
+            i, n, name, old = self._current
+            self._current = None
+            if self.on_progress is not None:
+                self.on_progress(QuantizeProgress(i, n, name, self.converted.get(name, old)))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        try:  # the engine owns the process-wide llama.cpp logger when it is present
+            from .engine.llama import log_capture
+        except ImportError:
+            log_capture = None
+        if log_capture is not None:
+            with log_capture(self.feed):
+                yield
+            return
+        ll = self.ll
+        cb = ll.llama_log_callback(lambda level, text, _ud: self.feed(level, text.decode("utf-8", "replace") if text else ""))
+        prev_cb, prev_ud = ll.llama_log_callback(), ctypes.c_void_p()
+        ll.llama_log_get(ctypes.byref(prev_cb), ctypes.byref(prev_ud))
+        ll.llama_log_set(cb, ctypes.c_void_p(0))
+        try:
+            yield
+        finally:
+            ll.llama_log_set(prev_cb, prev_ud)
+
+    def error_message(self) -> str:
+        for line in reversed(self.lines):
+            if "failed to quantize" in line:
+                return line.split("failed to quantize:", 1)[-1].strip()
+        for line in reversed(self.lines):
+            if "error" in line.lower():
+                return line.strip()
+        return "llama_model_quantize returned an error"
+
+
+def _run_uninterruptible(fn: Callable[[], int]) -> int:
+    """Run a C call that cannot be interrupted in a worker thread; a Ctrl-C meanwhile waits for it.
+
+    The KeyboardInterrupt is re-raised once the call has returned, so the caller's cleanup
+    (temp file deletion) runs after llama.cpp has closed the file.
+    """
+    result: list[int] = []
+    error: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # pragma: no cover - ctypes errors
+            error.append(e)
+
+    t = threading.Thread(target=work, name="edgeinfer-quantize", daemon=True)
+    t.start()
+    interrupted = False
+    while t.is_alive():
+        try:
+            t.join(0.2)
+        except KeyboardInterrupt:
+            interrupted = True  # keep waiting: the file is still open in C
+    if interrupted:
+        raise KeyboardInterrupt
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def quantize_model(
+    source: str | Path,
+    qtype: str | None = None,
+    *,
+    store: Store | None = None,
+    profile: QuantProfile | str | None = None,
+    output_type: str | None = None,
+    embedding_type: str | None = None,
+    overrides: Iterable[tuple[str, str]] = (),
+    imatrix: str | Path | None = None,
+    allow_requantize: bool = False,
+    name: str | None = None,
+    tag: str | None = None,
+    overwrite: bool = False,
+    on_progress: Callable[[QuantizeProgress], None] | None = None,
+    n_threads: int | None = None,
+) -> QuantizeResult:
+    """Quantize `source` (store ref or GGUF path) to `qtype` (or the profile's weights type).
+
+    Explicit `output_type` / `embedding_type` / `overrides` add to (and win over) the profile's.
+    A source that already holds quantized weights needs `allow_requantize=True` (warned about).
+    """
+    from .store import Store
+
+    store = store or Store()
+    if isinstance(profile, str):
+        from .profiles import get_profile
+
+        profile = get_profile(profile)
+    if qtype is None:
+        if profile is None:
+            raise InvalidOptionError("give a quant type or a profile")
+        qtype = profile.weights
+    qtype = qtype.upper()
+    if qtype not in QUANT_TYPES:
+        raise InvalidOptionError(f"unknown quant type {qtype!r}: choose one of {', '.join(QUANT_TYPES)}")
+    custom = bool(output_type or embedding_type or tuple(overrides))
+    out_t = _check_tensor_type("output tensor", output_type or (profile.output_type if profile else None))
+    emb_t = _check_tensor_type("token embedding", embedding_type or (profile.embedding_type if profile else None))
+    ovr: list[tuple[str, str]] = []
+    for pattern, t in list(overrides) + list(profile.overrides if profile else ()):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise InvalidOptionError(f"tensor override pattern {pattern!r} is not a valid regex: {e}") from None
+        ovr.append((pattern, _check_tensor_type(f"override {pattern!r}", t) or ""))
+
+    llama_cpp = _binding()
+    if qtype not in available_quant_types():
+        raise QuantizationError(f"the installed llama.cpp cannot quantize to {qtype}")
+
+    src_path, src_manifest = store.resolve(source)
+    src_info = read_gguf(src_path)
+    src_ref = src_manifest.ref if src_manifest else str(Path(src_path).resolve())
+    quantized_src = sorted({t.type_name for t in src_info.tensors
+                            if len(t.shape) >= 2 and t.type_name not in ("F32", "F16", "BF16")})
+    if quantized_src:
+        if not allow_requantize:
+            raise QuantizationError(
+                f"{src_ref} already holds quantized weights ({', '.join(quantized_src)}); quantizing again "
+                "compounds the error — start from an F16/BF16/F32 model, or pass --allow-requantize"
+            )
+        warnings.warn(
+            f"requantizing {src_ref} ({', '.join(quantized_src)} -> {qtype}): the result is worse than "
+            "quantizing the full-precision model",
+            stacklevel=2,
+        )
+
+    imat = None
+    if imatrix is not None:
+        from .imatrix import read_imatrix
+
+        imat = read_imatrix(imatrix)
+        weight_names = {t.name.removesuffix(".weight") for t in src_info.tensors} | {t.name for t in src_info.tensors}
+        if not any(k in weight_names or k.removesuffix(".weight") in weight_names for k in imat.entries):
+            raise QuantizationError(f"{Path(imatrix).name} has no entry for any tensor of {src_ref} (another model's imatrix?)")
+
+    out_name = name or _source_name(src_path, src_manifest)
+    out_tag = tag or default_tag(qtype, profile, custom=custom, imatrix=imat is not None)
+    target = store.model_path(out_name, out_tag)
+    if store.find(f"{out_name}:{out_tag}") is not None and not overwrite:
+        raise StoreError(f"{out_name}:{out_tag} is already in the store (remove it first, or choose another --name)")
+    if target.exists() and Path(src_path).resolve() == target.resolve():
+        raise InvalidOptionError(f"the output would overwrite the source {src_ref}")
+    estimate = int(src_info.parameter_count * 4.5 / 8) if qtype not in ("F32", "F16", "BF16", "Q8_0") \
+        else src_info.parameter_count * {"F32": 4, "F16": 2, "BF16": 2, "Q8_0": 1.07}[qtype]
+    ensure_free_space(target.parent, int(estimate) + (64 << 20), f"the {qtype} copy of {src_ref}")
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = int(n_threads or os.cpu_count() or 1)
+    params.ftype = QUANT_TYPES[qtype][0]
+    params.allow_requantize = bool(allow_requantize)
+    params.quantize_output_tensor = True
+    params.pure = False
+    if out_t:
+        params.output_tensor_type = _ggml_type_id(out_t)
+    if emb_t:
+        params.token_embedding_type = _ggml_type_id(emb_t)
+    keepalive: list[Any] = []
+    if ovr:
+        arr = (llama_cpp.llama_model_tensor_override * (len(ovr) + 1))()
+        for i, (pattern, t) in enumerate(ovr):
+            b = ctypes.c_char_p(pattern.encode())
+            keepalive.append(b)
+            arr[i].pattern = b.value
+            arr[i].type = _ggml_type_id(t)
+        arr[len(ovr)].pattern = None
+        keepalive.append(arr)
+        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    if imat is not None:
+        arr = (llama_cpp.llama_model_imatrix_data * (len(imat.entries) + 1))()
+        for i, (tname, values) in enumerate(imat.entries.items()):
+            nb = tname.encode()
+            keepalive += [nb, values]
+            arr[i].name = nb
+            arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = values.size
+        arr[len(imat.entries)].name = None
+        keepalive.append(arr)
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+
+    capture = _LogCapture(llama_cpp, on_progress)
+    started = time.monotonic()
+    with atomic_path(target) as tmp:
+        with capture.installed():
+            rc = _run_uninterruptible(
+                lambda: llama_cpp.llama_model_quantize(str(src_path).encode(), str(tmp).encode(), ctypes.byref(params))
+            )
+        if capture.callback_error is not None and not isinstance(capture.callback_error, Exception):
+            raise capture.callback_error
+        if rc != 0:
+            raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
+        info = read_gguf(tmp)
+        seconds = time.monotonic() - started
+    del keepalive
+    if capture.callback_error is not None:  # a front end's progress callback raised
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+        raise capture.callback_error
+
+    info = read_gguf(target)
+    try:
+        manifest = store.register(
+            target, out_name, out_tag,
+            source={"kind": "quantize", "qtype": qtype, "profile": profile.name if profile else None,
+                    "output_type": out_t, "embedding_type": emb_t, "overrides": [list(o) for o in ovr],
+                    "imatrix": str(imatrix) if imatrix else None, "requantized": bool(quantized_src)},
+            derived_from=src_ref, owned=True, info=info,
+        )
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+        raise
+    return QuantizeResult(
+        manifest=manifest,
+        path=target,
+        qtype=qtype,
+        bits_per_weight=info.bits_per_weight,
+        size=target.stat().st_size,
+        fallbacks=find_fallbacks(info, qtype, output_type=out_t, embedding_type=emb_t, overrides=ovr),
+        type_counts=info.type_counts(),
+        type_bytes=info.type_bytes(),
+        seconds=seconds,
+        requantized=bool(quantized_src),
+        source=src_ref,
+        log_tail=tuple(capture.lines[-20:]),
+    )
