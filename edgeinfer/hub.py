@@ -218,6 +218,7 @@ class PullResult:
     reused_bytes: int
     seconds: float
     f16_manifest: Any | None = None
+    fit: Any | None = None  # edgeinfer.fit.FitReport of the model at its default context, when available
 
 
 class _CancelLike(Protocol):
@@ -483,8 +484,10 @@ def _remote_snapshot(repo: str, revision: str, token: str | None) -> _Snapshot:
                 lfs = s.lfs
                 files[s.rfilename] = HubFile(s.rfilename, int(s.size or 0), s.blob_id, lfs.sha256 if lfs else None)
         else:  # older mirrors: model info without blob metadata; the tree listing has it
+            from huggingface_hub.hf_api import RepoFile
+
             for entry in api.list_repo_tree(repo, revision=commit, recursive=True, token=token):
-                if hasattr(entry, "blob_id") and hasattr(entry, "size") and entry.__class__.__name__ == "RepoFile":
+                if isinstance(entry, RepoFile):
                     lfs = entry.lfs
                     files[entry.path] = HubFile(entry.path, int(entry.size), entry.blob_id, lfs.sha256 if lfs else None)
     for f in files.values():
@@ -827,6 +830,13 @@ def _download(
 
 
 def _mem_available() -> int | None:
+    """RAM available now (edgeinfer.fit's: MemAvailable capped by a cgroup limit)."""
+    try:
+        from .fit import available_memory
+
+        return available_memory() or None
+    except ImportError:
+        pass
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -834,23 +844,24 @@ def _mem_available() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return None
 
 
 def _ram_needed(weights_bytes: int) -> int:
-    """Weights plus a margin for the KV cache and compute buffers of a default context."""
-    try:
-        from . import fit  # type: ignore[attr-defined]
-
-        estimate = getattr(fit, "estimate_bytes", None)
-        if callable(estimate):
-            return int(estimate(weights_bytes))
-    except ImportError:
-        pass
+    """Before the file exists: weights plus a margin for the KV cache and compute buffers of a
+    default context. After the pull, PullResult.fit has edgeinfer.fit's estimate from the file."""
     return int(weights_bytes * 1.1) + (256 << 20)
+
+
+def _fit_report(manifest: Any) -> Any:
+    try:
+        from .fit import fit
+    except ImportError:
+        return None
+    try:
+        return fit(manifest.file)
+    except (EdgeInferError, OSError):
+        return None
 
 
 def _source_files(snap: _Snapshot) -> list[HubFile]:
@@ -1028,7 +1039,7 @@ def pull_source(
     rev = _check_revision(revision or "main")
     snap = _snapshot(_check_repo_id(repo_id), rev, token)
     files = _source_files(snap)
-    p = _make_plan(snap, files, "safetensors", "F16", "", False, cache_dir())
+    p = replace(_make_plan(snap, files, "safetensors", "F16", "", False, cache_dir()), output_bytes=0)
     if (why := p.disk_shortfall()) is not None:
         raise DiskSpaceError(why)
     _fetch_all(snap, files, token, on_progress, cancel)
@@ -1081,7 +1092,8 @@ def pull(
             store, name, pl, prof, snap, source, keep_f16, on_progress, cancel
         )
     _emit(on_progress, PullStage("done", f"{manifest.ref} ready"))
-    return PullResult(manifest, pl, paths, downloaded, reused, time.monotonic() - t0, f16_manifest)
+    fit = _fit_report(manifest)
+    return PullResult(manifest, pl, paths, downloaded, reused, time.monotonic() - t0, f16_manifest, fit)
 
 
 def _register_gguf(
@@ -1214,7 +1226,8 @@ def purge_cache(manifest: Any, store: Any = None) -> int:
     """Delete the HF-cache files a pulled model came from; returns bytes freed.
 
     Files that another manifest in the store still references are kept. Empty snapshot folders,
-    and the repo's cache folder when nothing is left in it, are removed.
+    and the repo's cache folder when nothing is left in it, are removed. Works before or after
+    `store.remove(manifest.ref)` (the manifest itself never counts as "another").
     """
     from .store import Store
 
@@ -1239,7 +1252,7 @@ def purge_cache(manifest: Any, store: Any = None) -> int:
             for d, _, names in os.walk(storage / "snapshots")
             for n in names
         )
-        if not still and blob.is_file() and blob.parent == storage / "blobs":
+        if not still and blob.is_file() and str(blob.parent) == os.path.realpath(storage / "blobs"):
             freed += blob.stat().st_size
             blob.unlink()
     snaps = storage / "snapshots"

@@ -17,6 +17,7 @@ Knobs, per file (`repo_id`, `path`), for the failure tests:
   fake_size[(repo, path)] = N  the listings and HEAD report N bytes
   tokens[repo] = "tok"         the repo is gated: 401 GatedRepo without `Authorization: Bearer tok`
   slow[(repo, path)] = s       bodies go out in 64 KiB pieces with s seconds between them
+  bare_info = True             model info lists names only, so clients must read the tree listing
   redirect = True              resolve answers 302 to /_cdn/{sha} as the Hub does for LFS files
 Every request is appended to `log` (method, path, Range header, whether it carried a token, status).
 """
@@ -109,6 +110,7 @@ class HubServer:
         self.tokens: dict[str, str] = {}
         self.slow: dict[tuple[str, str], float] = {}
         self.redirect = False
+        self.bare_info = False
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -287,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         repo, commit = found
         hub = self.server_hub
-        blobs = query.get("blobs", ["false"])[0].lower() == "true"
+        blobs = query.get("blobs", ["false"])[0].lower() == "true" and not hub.bare_info
         siblings = []
         for f in repo.commits[commit].values():
             s: dict[str, object] = {"rfilename": f.path}

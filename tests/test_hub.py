@@ -283,6 +283,26 @@ def test_hostile_file_names_are_refused(hub, tmp_path, name):
     assert not list((tmp_path / "hf-cache").rglob("*.gguf"))
 
 
+@pytest.mark.parametrize("where", ["blobs", "snapshot"])
+def test_a_cache_folder_linking_outside_is_refused(hub, gguf_repo, tmp_path, where):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cache = _cache(tmp_path)
+    commit = hub.repos[REPO].refs["main"]
+    link = cache / "blobs" if where == "blobs" else cache / "snapshots" / commit
+    link.parent.mkdir(parents=True)
+    link.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(HubError, match="links? out of the cache"):
+        hubmod.pull(f"{REPO}:Q8_0")
+    assert not list(outside.iterdir())
+
+
+def test_model_info_without_blob_metadata_falls_back_to_the_tree(hub, gguf_repo):
+    hub.bare_info = True
+    m = hubmod.pull(f"{REPO}:Q8_0").manifest
+    assert hub.requests("GET", "/tree/") and m.sha256 == m.source["sha256"]["Tiny-Q8_0.gguf"]
+
+
 def test_not_enough_disk_refuses_before_writing(hub, gguf_repo, tmp_path):
     hub.fake_size[(REPO, "Tiny-Q4_K_M.gguf")] = 10**15
     p = hubmod.plan(REPO)

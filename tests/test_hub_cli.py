@@ -43,7 +43,7 @@ def test_pull_prints_plan_progress_and_ref(hub, capsys):
     out, err = capsys.readouterr()
     assert out.strip() == "tiny:q8_0"
     assert "Tiny-Q8_0.gguf" in err and "to download" in err and "RAM" in err
-    assert "pulled tiny:q8_0" in err
+    assert "pulled tiny:q8_0" in err and "memory at n_ctx=" in err
     assert main(["pull", f"{REPO}:Q8_0"]) == 0  # again: nothing to download
     assert "reused" in capsys.readouterr().err
 

@@ -49,6 +49,7 @@ def test_gguf_repo_pull_answers_like_the_file_it_came_from(hub, tmp_path, defaul
     result = hubmod.pull("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
     m = result.manifest
     assert m.ref == "smollm2-135m-instruct:q4_1" and m.source["kind"] == "hub" and not m.owned
+    assert result.fit is not None and result.fit.fits and result.fit.estimate.weights < m.size
     tokens, text = _greedy(m.ref)
     assert text.strip()
     assert tokens == _greedy(default_model_path)[0]  # the same bytes answer the same way

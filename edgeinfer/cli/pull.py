@@ -47,7 +47,7 @@ def _describe(plan: Any) -> list[str]:
     if plan.output_bytes:
         lines.append(f"conversion and quantization write about {format_bytes(plan.output_bytes)} to {plan.store_dir}")
     if plan.fits_ram is None:
-        lines.append(f"needs about {format_bytes(plan.ram_needed_bytes)} of RAM")
+        lines.append(f"RAM: needs about {format_bytes(plan.ram_needed_bytes)}")
     else:
         verdict = "fits" if plan.fits_ram else "may NOT fit"
         lines.append(
@@ -139,6 +139,13 @@ def run_pull(args: argparse.Namespace) -> int:
         f"in {result.seconds:.1f}s",
         file=sys.stderr,
     )
+    if result.fit is not None:
+        est = result.fit.estimate
+        print(
+            f"memory at n_ctx={est.n_ctx}: {format_bytes(est.total)} needed, {format_bytes(result.fit.available)} "
+            f"available — {'fits' if result.fit.fits else 'does NOT fit'}",
+            file=sys.stderr,
+        )
     if result.f16_manifest is not None:
         print(f"kept {result.f16_manifest.ref} for later quants", file=sys.stderr)
     print(m.ref)
