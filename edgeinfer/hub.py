@@ -267,12 +267,6 @@ def _emit(cb: ProgressCallback, event: PullEvent) -> None:
         cb(event)
 
 
-def _hf() -> Any:
-    import huggingface_hub
-
-    return huggingface_hub
-
-
 def cache_dir() -> Path:
     """The Hugging Face hub cache (HF_HUB_CACHE, else HF_HOME/hub), read now, not at import."""
     from huggingface_hub import constants
