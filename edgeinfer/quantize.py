@@ -482,6 +482,7 @@ def quantize_model(
         manifest = store.register(
             target, out_name, out_tag,
             source={"kind": "quantize", "qtype": qtype, "profile": profile.name if profile else None,
+                    "kv_type": profile.kv_type if profile else None,
                     "output_type": out_t, "embedding_type": emb_t, "overrides": [list(o) for o in ovr],
                     "imatrix": str(imatrix) if imatrix else None, "requantized": bool(quantized_src)},
             derived_from=src_ref, owned=True, info=info,

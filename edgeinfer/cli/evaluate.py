@@ -1,0 +1,137 @@
+"""`edgeinfer eval MODEL` (perplexity, KLD, same-top %, Δp) and `edgeinfer eval --ladder NAME` (the table)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ._common import ProgressBar, common_options, format_bytes, print_table
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        parents=[common_options()],
+        help="measure a model's quality: perplexity, KL divergence vs a reference, same-top %%",
+        description="Evaluate like llama-perplexity: chunks of --ctx tokens, the second half of each scored with the "
+        "first half as context. Against a reference (default: the full-precision model this one was derived "
+        "from) it adds mean KL divergence, the share of positions with the same top token, and Δp. The result "
+        "is saved in the model's manifest. --ladder NAME evaluates every quant of NAME and prints the table.",
+    )
+    p.add_argument("model", nargs="?", help="model to evaluate (store name or .gguf path)")
+    p.add_argument("--ladder", metavar="NAME", help="evaluate and tabulate every quant of store model NAME")
+    p.add_argument("--reference", help="reference model (default: the full-precision model it was derived from)")
+    p.add_argument("--text", help="evaluation text file (default: the text shipped with edgeinfer)")
+    p.add_argument("--ctx", type=int, default=512, help="chunk size in tokens (default 512)")
+    p.add_argument("--chunks", type=int, help="number of chunks (default: as many as the text holds)")
+    p.add_argument("--threads", type=int, help="threads (default: all cores)")
+    p.add_argument("--force", action="store_true", help="--ladder: re-measure models that already have results")
+    p.add_argument("--no-bench", action="store_true", help="--ladder: do not measure decode speed")
+    p.set_defaults(func=run)
+
+
+def _read_text(path: str | None) -> str | None:
+    if path is None:
+        return None
+    from edgeinfer.errors import ModelNotFoundError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"no such text file: {path}") from None
+
+
+def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgeinfer.errors import InvalidOptionError
+
+    if bool(args.model) == bool(args.ladder):
+        raise InvalidOptionError("give either a MODEL or --ladder NAME")
+    if args.ladder:
+        return _ladder(args)
+    from edgeinfer.evaluate import evaluate
+
+    bar = ProgressBar("eval", None)
+    try:
+        result = evaluate(args.model, args.reference or "auto", text=_read_text(args.text), ctx=args.ctx,
+                          chunks=args.chunks, n_threads=args.threads,
+                          on_progress=lambda e: bar.update(e.chunk, e.n_chunks, label=f"eval {e.model}"))
+    finally:
+        bar.close()
+    print(f"model      {result.model}")
+    print(f"reference  {result.reference or '- (none: PPL only; give --reference)'}")
+    print(f"scored     {result.positions} tokens in {result.chunks} chunks of {result.ctx}")
+    print(f"PPL        {result.ppl:.4f}  (ln PPL ± {result.ppl_stderr:.4f})")
+    if result.reference is not None:
+        print(f"ref PPL    {result.ref_ppl:.4f}   ratio {result.ppl_ratio:.4f}")
+        print(f"KLD        {result.kld:.6f} ± {result.kld_stderr:.6f}")
+        print(f"same top   {result.same_top * 100:.2f} %")
+        print(f"Δp         {result.delta_p * 100:+.3f} %   (RMS {result.rms_delta_p * 100:.3f} %)")
+    print(f"time       {result.seconds:.1f}s")
+    return 0
+
+
+def _ladder(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from edgeinfer.bench import bench_many
+    from edgeinfer.evaluate import default_eval_text, default_reference, evaluate_many
+    from edgeinfer.fit import ladder
+    from edgeinfer.store import Store
+
+    store = Store()
+    members = ladder(args.ladder, store=store)
+    reference = args.reference
+    if reference is None:
+        full = [m for m in members if m.bits_per_weight >= 15.9]
+        reference = full[0].ref if full else next((r for m in members if (r := default_reference(m, store))), None)
+    text = _read_text(args.text)
+    sha = hashlib.sha256((text if text is not None else default_eval_text()).encode("utf-8")).hexdigest()
+
+    def current(m) -> bool:  # noqa: ANN001
+        ev = m.metrics.get("eval") or {}
+        return (not args.force and ev.get("text_sha256") == sha and ev.get("ctx") == args.ctx
+                and ev.get("reference") == reference and (args.chunks is None or ev.get("chunks") == args.chunks))
+
+    todo = [m.ref for m in members if not current(m) and m.ref != reference]
+    if todo:
+        bar = ProgressBar("eval", None)
+        try:
+            evaluate_many(todo, reference, text=text, ctx=args.ctx, chunks=args.chunks, store=store,
+                          n_threads=args.threads,
+                          on_progress=lambda e: bar.update((e.model_index - 1) * e.n_chunks + e.chunk,
+                                                           e.n_models * e.n_chunks, label=f"eval {e.model}"))
+        finally:
+            bar.close()
+    if not args.no_bench:
+        need = [m.ref for m in members if args.force or not (m.metrics.get("bench") or {}).get("decode_tok_s")]
+        if need:
+            bar = ProgressBar("bench", len(need))
+            try:
+                bench_many(need, prompt_tokens=128, decode_tokens=48, repeats=1, n_threads=args.threads, store=store,
+                           on_progress=lambda e: bar.update(max(e.model_index - 1, 0), label=f"bench {e.model}"))
+            finally:
+                bar.close()
+    members = ladder(args.ladder, store=store)  # re-read the saved metrics
+    rows = []
+    for m in members:
+        ev = m.metrics.get("eval") or {}
+        bench = m.metrics.get("bench") or {}
+        rows.append([
+            (m.quant or m.tag) + (" (ref)" if m.ref == reference else ""),
+            f"{m.bits_per_weight:.2f}",
+            format_bytes(m.size),
+            _fmt(ev.get("ppl"), ".3f"),
+            _fmt(ev.get("ppl_ratio"), ".4f"),
+            _fmt(ev.get("kld"), ".5f"),
+            _fmt(ev.get("same_top"), ".2f", 100.0),
+            _fmt(bench.get("decode_tok_s"), ".1f"),
+        ])
+    print(f"ladder {args.ladder}, reference {reference or '-'}, ctx {args.ctx}")
+    print_table(rows, ["type", "bits/weight", "size", "PPL", "PPL ratio", "KLD", "same-top %", "decode tok/s"])
+    return 0

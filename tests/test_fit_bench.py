@@ -1,0 +1,96 @@
+"""Memory estimates, recommend, bandwidth roofline and bench."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_quantize import make_synthetic_gguf, synthetic_f16  # noqa: F401 (session fixture)
+
+
+def test_kv_cache_and_weights_from_metadata(default_model_path: Path):
+    from edgeinfer import read_gguf
+    from edgeinfer.fit import estimate_memory
+
+    info = read_gguf(default_model_path)
+    md = info.metadata
+    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
+    e = estimate_memory(info, 4096, "f16")
+    assert e.weights == sum(t.n_bytes for t in info.tensors)
+    assert e.kv_cache == md["llama.block_count"] * 4096 * md["llama.attention.head_count_kv"] * head_dim * 2 * 2
+    q8 = estimate_memory(info, 4096, "q8_0")
+    assert q8.kv_cache == pytest.approx(e.kv_cache * 34 / 64)
+    assert estimate_memory(info, 8192, "f16").kv_cache == 2 * e.kv_cache
+    assert e.total == e.weights + e.kv_cache + e.compute and e.compute > 0
+
+
+def test_available_memory_is_plausible():
+    from edgeinfer.fit import available_memory
+
+    total = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1]) * 1024
+    assert 0 < available_memory() <= total
+
+
+def test_fit_cli_exit_codes(capsys: pytest.CaptureFixture[str]):
+    from edgeinfer.cli import main
+
+    assert main(["fit", "--ctx", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache" in out and "fits        yes" in out
+    assert main(["fit", "--ctx", "2048", "--kv-type", "q9"]) == 1
+
+
+def test_recommend_picks_by_measured_quality(synthetic_f16: Path, capsys: pytest.CaptureFixture[str]):
+    from edgeinfer import Store
+    from edgeinfer.cli import main
+    from edgeinfer.fit import recommend
+    from edgeinfer.quantize import quantize_model
+
+    store = Store()
+    refs = {q: quantize_model(synthetic_f16, q, embedding_type="F16", output_type="F16", tag=q.lower(),
+                              n_threads=2).manifest.ref for q in ("Q8_0", "Q4_K_M", "Q2_K")}
+    measured = {"Q8_0": (0.004, 90.0), "Q4_K_M": (0.06, 150.0), "Q2_K": (0.4, 200.0)}
+    for q, (kld, speed) in measured.items():
+        store.update_metrics(refs[q], "eval", {"kld": kld, "ppl": 10.0, "same_top": 0.9})
+        store.update_metrics(refs[q], "bench", {"decode_tok_s": speed})
+    assert recommend("synthetic-llama").choice.ref == refs["Q8_0"]
+    assert recommend("synthetic-llama", min_quality=0.1).choice.ref == refs["Q4_K_M"]  # fastest good enough
+    # memory that only the Q2_K file fits in
+    need = {c.ref: c.fit.estimate.total for c in recommend("synthetic-llama").candidates}
+    only_q2 = (need[refs["Q2_K"]] + min(need[refs["Q4_K_M"]], need[refs["Q8_0"]])) // 2
+    assert recommend("synthetic-llama", available=only_q2).choice.ref == refs["Q2_K"]
+    assert recommend("synthetic-llama", available=only_q2, min_quality=0.1).choice is None
+    assert recommend("synthetic-llama", available=1).choice is None
+    assert main(["recommend", "synthetic-llama", "--ctx", "1024"]) == 0
+    assert f"recommended: {refs['Q8_0']}" in capsys.readouterr().out
+
+
+def test_bandwidth_and_bytes_per_token(default_model_path: Path, tmp_path: Path):
+    from edgeinfer import read_gguf
+    from edgeinfer.bench import bytes_per_token, measure_bandwidth
+
+    bw = measure_bandwidth(64 << 20, repeats=3)
+    assert 0.5e9 < bw < 1e12
+    tied = read_gguf(default_model_path)  # SmolLM2 ties output to token_embd: the whole table is read
+    assert "output.weight" not in {t.name for t in tied.tensors}
+    assert bytes_per_token(tied) == tied.tensor_bytes
+    untied = read_gguf(make_synthetic_gguf(tmp_path / "s.gguf"))
+    emb = next(t for t in untied.tensors if t.name == "token_embd.weight")
+    assert bytes_per_token(untied) == untied.tensor_bytes - emb.n_bytes + emb.n_bytes // emb.shape[1]
+
+
+@pytest.mark.slow
+def test_bench_default_model(capsys: pytest.CaptureFixture[str]):
+    import json
+
+    from edgeinfer import Store
+    from edgeinfer.cli import main
+
+    assert main(["bench", "--prompt-tokens", "32", "--decode-tokens", "8", "--repeats", "1", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["model"] == "smollm2-135m-instruct:q4_1"
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["prompt_tokens"] == 32
+    assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_bytes_s"] / r["bytes_per_token"])
+    assert 0 < r["roofline_fraction"] < 3  # decode cannot be far beyond the memory roofline
+    assert Store().get("smollm2-135m-instruct:q4_1").metrics["bench"]["decode_tok_s"] == r["decode_tok_s"]
