@@ -94,3 +94,25 @@ def test_bench_default_model(capsys: pytest.CaptureFixture[str]):
     assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_bytes_s"] / r["bytes_per_token"])
     assert 0 < r["roofline_fraction"] < 3  # decode cannot be far beyond the memory roofline
     assert Store().get("smollm2-135m-instruct:q4_1").metrics["bench"]["decode_tok_s"] == r["decode_tok_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ctx", "kv"), [(1024, "f16"), (4096, "q8_0")])
+def test_estimate_against_llama_cpp_buffers(default_model_path: Path, ctx: int, kv: str):
+    """KV cache exactly, compute buffer within 25 %, as llama.cpp itself reports them when loading."""
+    import re
+
+    import edgeinfer
+    from edgeinfer import read_gguf
+    from edgeinfer.engine.llama import log_capture
+    from edgeinfer.fit import estimate_memory
+
+    lines: list[str] = []
+    with log_capture(lambda level, text: lines.append(text)):
+        edgeinfer.load(default_model_path, edgeinfer.LoadOptions(n_ctx=ctx, kv_type=kv, n_threads=2)).close()
+    log = "".join(lines)
+    kv_mib = float(re.search(r"CPU KV buffer size =\s*([\d.]+) MiB", log).group(1))
+    compute_mib = float(re.search(r"CPU compute buffer size =\s*([\d.]+) MiB", log).group(1))
+    est = estimate_memory(read_gguf(default_model_path), ctx, kv)
+    assert est.kv_cache / 2**20 == pytest.approx(kv_mib, abs=0.01)
+    assert est.compute / 2**20 == pytest.approx(compute_mib, rel=0.25)
