@@ -144,7 +144,9 @@ def test_redirected_downloads_work(hub, gguf_repo):
 # -- interruption and resume -------------------------------------------------------------------------
 
 
-def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_repo, tmp_path):
+@pytest.mark.parametrize("redirect", [False, True])
+def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_repo, tmp_path, redirect):
+    hub.redirect = redirect
     size = Path(gguf_repo["Big-F16.gguf"]).stat().st_size
     cut = 3_000_000
     hub.cut_at[(REPO, "Big-F16.gguf")] = cut
@@ -159,7 +161,8 @@ def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_
     del hub.cut_at[(REPO, "Big-F16.gguf")]
     before = len(hub.log)
     result = hubmod.pull(f"{REPO}:F16")
-    ranges = [r.range for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path]
+    body = "/_cdn/" if redirect else "/resolve/"
+    ranges = [r.range for r in hub.log[before:] if r.method == "GET" and body in r.path]
     assert ranges == [f"bytes={cut}-"]
     assert result.downloaded_bytes == size - cut
     assert result.plan.partial_bytes == cut

@@ -10,6 +10,7 @@ from hub_server import HubServer, point_client_at, tiny_gguf
 
 import edgeinfer
 from edgeinfer import hub as hubmod
+from edgeinfer.cli import main
 from edgeinfer.store import Store
 
 pytestmark = pytest.mark.slow
@@ -73,17 +74,64 @@ def test_safetensors_repo_pull_converts_quantizes_and_answers(hub, tmp_path_fact
     assert text.strip()
 
 
-def test_sharded_repo_keeps_f16_and_reuses_it(hub, tmp_path):
-    from hf_models import export_default_model_to_hf
+def _reshard(src: Path, dst: Path, n: int = 2) -> Path:
+    """Split src/model.safetensors into n shards plus an index, copying bytes (no decoding)."""
+    import json
+    import math
+    import shutil
+    import struct
 
-    folder = export_default_model_to_hf(tmp_path / "sharded", "bfloat16", shards=2)
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and p.name != "model.safetensors" and not p.name.startswith("."):
+            shutil.copy(p, dst / p.name)
+    raw = (src / "model.safetensors").read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    data = memoryview(raw)[8 + hlen :]
+    meta = header.pop("__metadata__", None)
+    names = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    per = math.ceil(len(names) / n)
+    weight_map = {}
+    for i in range(n):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part, h, chunks, off = names[i * per : (i + 1) * per], {}, [], 0
+        for k in part:
+            a, b = header[k]["data_offsets"]
+            h[k] = {**header[k], "data_offsets": [off, off + b - a]}
+            chunks.append(data[a:b])
+            off += b - a
+        if meta:
+            h["__metadata__"] = meta
+        hj = json.dumps(h).encode()
+        hj += b" " * (-len(hj) % 8)
+        with open(dst / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(hj)) + hj)
+            for c in chunks:
+                f.write(c)
+        weight_map.update({k: fname for k in part})
+    index = {"metadata": {"total_size": len(data)}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_sharded_repo_keeps_f16_and_reuses_it(hub, tmp_path, tmp_path_factory, capsys):
+    from hf_models import cached_default_export
+
+    folder = _reshard(cached_default_export(tmp_path_factory, "bfloat16"), tmp_path / "sharded")
     files = _folder_files(folder)
     assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) == 2
     hub.add_repo("tester/SmolLM2-sharded", files)
-    r1 = hubmod.pull("tester/SmolLM2-sharded", quant="Q8_0", keep_f16=True)
-    assert r1.manifest.tag == "q8_0" and r1.f16_manifest is not None
-    assert r1.manifest.derived_from == r1.f16_manifest.ref
-    tokens, text = _greedy(r1.manifest.ref)
+    # through the CLI this time: plan, download bars, then the converter's and quantizer's progress
+    assert main(["pull", "tester/SmolLM2-sharded", "--quant", "Q8_0", "--keep-f16"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "smollm2-sharded:q8_0"
+    assert "convert:" in err and "quantize:" in err and "kept smollm2-sharded:f16" in err
+    q8, f16 = Store().get("smollm2-sharded:q8_0"), Store().get("smollm2-sharded:f16")
+    assert q8.derived_from == f16.ref and q8.source["repo"] == f16.source["repo"] == "tester/SmolLM2-sharded"
+    shards = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"}
+    assert shards <= set(q8.source["files"]) and "config.json" in q8.source["files"]
+    tokens, text = _greedy(q8.ref)
     assert text.strip()
     # a later quant starts from the kept F16: no conversion, no download
     events: list[object] = []
