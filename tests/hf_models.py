@@ -28,6 +28,7 @@ __all__ = [
     "make_random_hf_model",
     "export_default_model_to_hf",
     "cached_default_export",
+    "write_dequantized_default_gguf",
     "write_safetensors",
     "write_tokenizer",
     "default_gguf_path",
@@ -124,10 +125,15 @@ def default_gguf_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _default_vocab() -> dict[str, Any]:
+def _default_reader() -> Any:
     import gguf
 
-    r = gguf.GGUFReader(default_gguf_path())
+    return gguf.GGUFReader(default_gguf_path())  # ~6 s for the 49k-token vocabulary: read once
+
+
+@functools.lru_cache(maxsize=1)
+def _default_vocab() -> dict[str, Any]:
+    r = _default_reader()
     def val(key: str, default: Any = None) -> Any:
         f = r.fields.get(key)
         return f.contents() if f is not None else default
@@ -306,7 +312,7 @@ def export_default_model_to_hf(folder: Path, dtype: str = "bfloat16", shards: in
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    r = gguf.GGUFReader(default_gguf_path())
+    r = _default_reader()
 
     def val(key: str) -> Any:
         return r.fields[key].contents()
@@ -357,6 +363,32 @@ def export_default_model_to_hf(folder: Path, dtype: str = "bfloat16", shards: in
     return folder
 
 
+def write_dequantized_default_gguf(path: Path) -> Path:
+    """The default GGUF with every tensor dequantized to F32 and the metadata copied: the exact
+    weights of the original, without its Q4_1 compute path (llama.cpp multiplies Q4_1 weights by
+    Q8_1-quantized activations, which alone moves the logits by a mean KL of ~3e-3)."""
+    import gguf
+
+    r = _default_reader()
+    w = gguf.GGUFWriter(path, "llama")
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type", "general.quantization_version"):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in r.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Path:
     """The default model exported once per test session (per dtype), under pytest's basetemp."""
     folder = tmp_path_factory.getbasetemp() / f"smollm2-135m-instruct-hf-{dtype}"
@@ -370,12 +402,9 @@ def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Pat
 # -- llama.cpp logits with an f32 KV cache --------------------------------------------------------
 def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int = 2) -> np.ndarray:
     """float32 [len(tokens), n_vocab]: logits at every position, one batch, f32 K/V, no flash attention."""
-    import ctypes
+    from edgeinfer.engine.llama import backend
 
-    import llama_cpp as ll
-
-    ll.llama_backend_init()
-    ll.llama_log_set(ll.ggml_log_callback(lambda *_: None), ctypes.c_void_p(0))
+    ll = backend()  # initialised once, llama.cpp's log routed away from stderr
     mp = ll.llama_model_default_params()
     mp.n_gpu_layers = 0
     model = ll.llama_model_load_from_file(str(gguf_path).encode(), mp)

@@ -1,0 +1,155 @@
+"""Conversion speed and peak memory on a synthetic ~1.2B-parameter llama checkpoint in bf16.
+
+The checkpoint (Llama-3.2-1B dimensions: hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192,
+vocab 128256, tied embeddings; random bf16 weights, the default model's tokenizer padded to the
+vocab) is written to a temp dir and deleted afterwards. Each conversion runs in its own child
+process that reports its own peak RSS (ru_maxrss) and the RSS it had before converting (imports).
+
+    .venv/bin/python benchmarks/bench_convert.py [--keep DIR] [--outtypes f16,q8_0] [--layers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+CHILD = r"""
+import json, resource, sys, time, warnings
+from edgeinfer.convert import convert_model
+def rss_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+before = rss_kb()
+t0 = time.perf_counter()
+r = convert_model(sys.argv[1], sys.argv[2], sys.argv[3], register=False)
+dt = time.perf_counter() - t0
+print(json.dumps({"seconds": dt, "source_bytes": r.source_bytes, "output_bytes": r.output_bytes,
+                  "rss_before_kb": before, "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def write_synthetic_llama(folder: Path, layers: int, seed: int = 0) -> tuple[int, int]:
+    """Write the bf16 checkpoint one tensor per file write; returns (parameters, largest tensor bytes)."""
+    from hf_models import write_tokenizer
+
+    hidden, heads, kv_heads, ffn, vocab = 2048, 32, 8, 8192, 128256
+    hd = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    # Random bf16 bit patterns of magnitude ~0.004..0.06, tiled from one 8 Mi-element block (fast to write).
+    rng = np.random.default_rng(seed)
+    block = (rng.integers(119 << 7, 123 << 7, 8 << 20, dtype=np.uint16) | (rng.integers(0, 2, 8 << 20, dtype=np.uint16) << 15))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for n, s in shapes.items():
+        nb = math.prod(s) * 2
+        header[n] = {"dtype": "BF16", "shape": list(s), "data_offsets": [offset, offset + nb]}
+        offset += nb
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(len(hj).to_bytes(8, "little") + hj)
+        for n, s in shapes.items():
+            count = math.prod(s)
+            if len(s) == 1:
+                f.write(np.full(count, 0x3F80, np.uint16).tobytes())  # 1.0
+                continue
+            for start in range(0, count, block.size):
+                f.write(block[: min(block.size, count - start)].tobytes())
+    write_tokenizer(folder, "llama-bpe")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": vocab, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    params = sum(math.prod(s) for s in shapes.values())
+    largest = max(math.prod(s) for s in shapes.values()) * 2
+    return params, largest
+
+
+def run_child(src: Path, outtype: str, out: Path) -> dict:
+    env = dict(os.environ, EDGEINFER_HOME=str(out.parent / "home"))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(src), outtype, str(out)], env=env,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"conversion to {outtype} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--outtypes", default="f16,q8_0")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--keep", type=Path, help="build the checkpoint here and keep it")
+    args = ap.parse_args()
+    from edgeinfer.cli._common import print_table
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.keep.parent if args.keep else None))
+    src = args.keep or (tmp / "synthetic-llama-1b")
+    src.mkdir(parents=True, exist_ok=True)
+    try:
+        t = time.perf_counter()
+        params, largest = write_synthetic_llama(src, args.layers)
+        size = (src / "model.safetensors").stat().st_size
+        print(f"synthetic llama: {params / 1e9:.2f}B parameters, {size / 1e9:.2f} GB bf16, largest tensor "
+              f"{largest / 1e6:.0f} MB (token_embd), written in {time.perf_counter() - t:.0f}s", flush=True)
+        rows = []
+        for outtype in args.outtypes.split(","):
+            out = tmp / f"out-{outtype}.gguf"
+            r = run_child(src, outtype, out)
+            out.unlink()
+            peak = r["peak_rss_kb"] * 1024
+            base = r["rss_before_kb"] * 1024
+            rows.append([
+                outtype,
+                f"{r['seconds']:.1f}",
+                f"{r['source_bytes'] / 1e6 / r['seconds']:.0f}",
+                f"{r['output_bytes'] / 1e9:.2f}",
+                f"{peak / 1e6:.0f}",
+                f"{base / 1e6:.0f}",
+                f"{peak / largest:.2f}",
+                f"{(peak - base) / largest:.2f}",
+            ])
+            print(f"  {outtype}: done", flush=True)
+        print()
+        print_table(rows, ["OUTTYPE", "SECONDS", "MB/S (src)", "OUT GB", "PEAK RSS MB", "RSS AT START MB",
+                           "PEAK/LARGEST", "(PEAK-START)/LARGEST"])
+        print(f"\nlargest tensor: {largest / 1e6:.0f} MB (bf16 source); target: peak <= 2x largest + 300 MB "
+              f"= {(2 * largest + 300e6) / 1e6:.0f} MB")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
