@@ -157,6 +157,10 @@ def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_
     assert len(partials) == 1 and partials[0].stat().st_size == cut
     assert not [p for p in blobs.iterdir() if not p.name.endswith(".incomplete")]
     assert Store().find("tiny:f16") is None
+    # huggingface_hub's own cache scanner sees it as an interrupted download (`hf cache` can clean it)
+    from huggingface_hub import scan_cache_dir
+
+    assert [f.file_path for f in scan_cache_dir(tmp_path / "hf-cache").incomplete_files] == partials
 
     del hub.cut_at[(REPO, "Big-F16.gguf")]
     before = len(hub.log)
@@ -168,6 +172,8 @@ def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_
     assert result.plan.partial_bytes == cut
     assert not list(blobs.glob("*.incomplete"))
     assert read_gguf(result.manifest.file).parameter_count == 8192 * 256
+    (repo,) = scan_cache_dir(tmp_path / "hf-cache").repos
+    assert repo.repo_id == REPO and repo.size_on_disk == size and not scan_cache_dir(tmp_path / "hf-cache").incomplete_files
 
 
 def test_ctrl_c_keeps_partial_and_next_run_resumes(hub, gguf_repo, tmp_path, monkeypatch):
