@@ -288,3 +288,32 @@ def test_cli_quantize_ladder(synthetic_f16: Path, capsys: pytest.CaptureFixture[
     assert {m.ref for m in Store().list()} >= {"synthetic-llama:q8_0", "synthetic-llama:q4_k_m"}
     assert main(["quantize", "smollm2-135m-instruct:q4_1", "--type", "Q4_K_M"]) == 1
     assert "allow-requantize" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigint_in_a_real_cli_process_leaves_nothing(synthetic_f16: Path, edgeinfer_home: Path):
+    """Ctrl-C while llama.cpp writes the file: exit 130, no store entry, no partial file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, EDGEINFER_HOME=str(edgeinfer_home))
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "quantize", str(synthetic_f16), "--type", "IQ4_XS",
+                             "--threads", "1"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    partial: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None:  # wait until llama.cpp has written bytes
+        partial = [p for p in _leftovers(edgeinfer_home) if p.name.endswith(".partial") and p.stat().st_size > 0]
+        if partial:
+            break
+        time.sleep(0.02)
+    assert partial, "quantization never started writing"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()
+    assert b"interrupted" in err
+    assert _leftovers(edgeinfer_home) == []
+    assert not list((edgeinfer_home / "manifests").glob("synthetic-llama/*.json"))
