@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ OUTTYPES: dict[str, tuple[QT, LlamaFileType]] = {
     "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
 _CHUNK_BYTES = 16 << 20  # float32 bytes per row block
+_IN_FLIGHT = 3  # row blocks converted ahead of the writer
 
 
 class NonFiniteWeightWarning(UserWarning):
@@ -139,13 +143,35 @@ def _permute_rows(x: np.ndarray, n_heads: int) -> np.ndarray:
 
 class _TensorStream:
     """Duck-types the ndarray GGUFWriter.write_tensor_data expects (`nbytes`, `tofile`) and
-    produces the tensor in row blocks, so no whole-tensor copy ever exists."""
+    produces the tensor in row blocks, so no whole-tensor copy ever exists.
 
-    def __init__(self, plan: _Plan, hp_head_dim: int, on_nonfinite: Callable[[str], None]):
+    Blocks are converted on a small thread pool (numpy releases the GIL in casts and
+    quantization) with at most `_IN_FLIGHT` blocks pending, and written in order."""
+
+    def __init__(self, plan: _Plan, pool: ThreadPoolExecutor, on_nonfinite: Callable[[str], None]):
         self.plan = plan
         self.nbytes = plan.nbytes
-        self._head_dim = hp_head_dim
+        self._pool = pool
         self._on_nonfinite = on_nonfinite
+
+    def _convert(self, src: np.ndarray, r0: int, r1: int, align: int) -> tuple[np.ndarray, float, float]:
+        p = self.plan
+        assert p.source is not None and p.entry is not None
+        x = _to_f32(src[r0:r1], p.entry.dtype)
+        stored_row = src.shape[1] * src.itemsize
+        p.source.release(p.entry.begin + r0 * stored_row, p.entry.begin + r1 * stored_row)
+        if p.permute_heads:
+            x = _permute_rows(x, (r1 - r0) // align)
+        # Two SIMD reductions instead of isfinite's temporary: min/max propagate NaN and Inf.
+        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
+        return _encode(x, p.qtype), lo, hi
+
+    def _check(self, lo: float, hi: float) -> None:
+        name = self.plan.entry.name if self.plan.entry is not None else self.plan.name
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            self._on_nonfinite(f"tensor {name} has NaN or Inf values")
+        elif self.plan.qtype == QT.F16 and max(-lo, hi) > 65504.0:
+            self._on_nonfinite(f"tensor {name} has values too large for f16")
 
     def _blocks(self) -> Iterator[np.ndarray]:
         p = self.plan
@@ -156,25 +182,24 @@ class _TensorStream:
         src = p.source.array(p.entry.name)
         rows = src.shape[0] if src.ndim else 1
         src = src.reshape(rows, -1)
-        row_bytes = src.shape[1] * 4
         align = rows // p.permute_heads if p.permute_heads else 1  # whole heads per block
-        step = max(align, (_CHUNK_BYTES // max(row_bytes, 1)) // align * align)
-        stored_row = src.shape[1] * src.itemsize
+        step = max(align, (_CHUNK_BYTES // max(src.shape[1] * 4, 1)) // align * align)
+        pending: deque[Future[tuple[np.ndarray, float, float]]] = deque()
         try:
             for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                x = _to_f32(src[r0:r1], p.entry.dtype)
-                p.source.release(p.entry.begin + r0 * stored_row, p.entry.begin + r1 * stored_row)
-                if p.permute_heads:
-                    x = _permute_rows(x, (r1 - r0) // align)
-                # Two SIMD reductions instead of isfinite's temporary: max/min propagate NaN and Inf.
-                lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
-                if not (math.isfinite(lo) and math.isfinite(hi)):
-                    self._on_nonfinite(f"tensor {p.entry.name} has NaN or Inf values")
-                elif p.qtype == QT.F16 and max(-lo, hi) > 65504.0:
-                    self._on_nonfinite(f"tensor {p.entry.name} has values too large for f16")
-                yield _encode(x, p.qtype)
+                pending.append(self._pool.submit(self._convert, src, r0, min(rows, r0 + step), align))
+                if len(pending) >= _IN_FLIGHT:
+                    out, lo, hi = pending.popleft().result()
+                    self._check(lo, hi)
+                    yield out
+            while pending:
+                out, lo, hi = pending.popleft().result()
+                self._check(lo, hi)
+                yield out
         finally:
+            for f in pending:
+                f.cancel()
+            wait(pending)  # no worker may still read the map when it is closed
             del src
 
     def tofile(self, fp: Any) -> None:
@@ -331,13 +356,14 @@ def convert_model(
                 w.write_kv_data_to_file()
                 w.write_ti_data_to_file()
                 done = 0
-                for i, p in enumerate(plans, 1):
-                    w.write_tensor_data(_TensorStream(p, hp.head_dim, nonfinite))  # type: ignore[arg-type]
-                    done += p.entry.n_bytes if p.entry is not None else 0
-                    if on_progress is not None:
-                        on_progress(ConvertProgress(p.name, i, len(plans), done, total_src))
-                    if _cancelled(cancel):
-                        raise Cancelled("conversion cancelled")
+                with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+                    for i, p in enumerate(plans, 1):
+                        w.write_tensor_data(_TensorStream(p, pool, nonfinite))  # type: ignore[arg-type]
+                        done += p.entry.n_bytes if p.entry is not None else 0
+                        if on_progress is not None:
+                            on_progress(ConvertProgress(p.name, i, len(plans), done, total_src))
+                        if _cancelled(cancel):
+                            raise Cancelled("conversion cancelled")
                 w.flush()
             finally:
                 w.close()
