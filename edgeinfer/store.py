@@ -92,6 +92,19 @@ def _looks_like_path(ref: str) -> bool:
     return ref.endswith(".gguf") or "/" in ref or ref.startswith(".") or ref.startswith("~")
 
 
+# sha256 of files this process already hashed, keyed by (path, size, mtime): hashing a model
+# costs a second per GB and the default model is registered into every fresh store.
+_hash_cache: dict[tuple[str, int, int], str] = {}
+
+
+def _sha256_cached(path: Path) -> str:
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _hash_cache:
+        _hash_cache[key] = sha256_file(path)
+    return _hash_cache[key]
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
@@ -101,6 +114,7 @@ class Store:
 
     def __init__(self, root: Path | None = None):
         self._root = Path(root) if root else None
+        self._filelock: FileLock | None = None
 
     # -- locations -------------------------------------------------------------------------------
     @property
@@ -129,8 +143,10 @@ class Store:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Inter-process lock around read-modify-write of manifests."""
-        with FileLock(str(self.root / ".store.lock"), timeout=60):
+        """Inter-process lock around read-modify-write of manifests (re-entrant in this process)."""
+        if self._filelock is None:
+            self._filelock = FileLock(str(self.root / ".store.lock"), timeout=60, thread_local=False)
+        with self._filelock:
             yield
 
     # -- reading ---------------------------------------------------------------------------------
@@ -218,7 +234,7 @@ class Store:
             name=name,
             tag=tag,
             file=str(file),
-            sha256=sha256 or sha256_file(file),
+            sha256=sha256 or _sha256_cached(file),
             size=file.stat().st_size,
             architecture=info.architecture,
             parameters=info.parameter_count,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from ._common import common_options
@@ -121,20 +122,29 @@ def run(args: argparse.Namespace) -> int:
         else:
             messages = [{"role": "user", "content": text}]
             gen = engine.chat(messages, options, system=args.system)
+        # Ctrl-C cancels the generation (also inside a long prompt) and exits 130; a second one
+        # stops at once.
+        def on_interrupt(_signum: int, _frame: object) -> None:
+            if gen.cancelled:
+                raise KeyboardInterrupt
+            gen.cancel()
+
+        previous = signal.signal(signal.SIGINT, on_interrupt)
         try:
             for event in gen:
                 if isinstance(event, edgeinfer.TokenEvent) and not args.json:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
-        except KeyboardInterrupt:
-            gen.cancel()
-            gen.close()
-            if not args.json:
-                sys.stdout.write("\n")
-            print("edgeinfer: interrupted", file=sys.stderr)
-            return 130
+        finally:
+            signal.signal(signal.SIGINT, previous)
         done = gen.done
         assert done is not None
+        if done.finish_reason == "cancelled":
+            if not args.json:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print("edgeinfer: interrupted", file=sys.stderr)
+            return 130
         if args.json:
             print(json.dumps({"model": engine.name, "text": done.text, "tokens": done.tokens,
                               "finish_reason": done.finish_reason, "stats": done.stats.to_dict()}))

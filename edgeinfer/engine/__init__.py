@@ -72,6 +72,8 @@ class Engine:
         self._lock = threading.Lock()
         self._active: Generation | None = None
         self._closed = False
+        self._costs = None  # speculation.CostModel, measured on first speculative request
+        self._drafts: dict[tuple, LlamaRuntime] = {}  # draft-model runtimes, kept between requests
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -164,6 +166,21 @@ class Engine:
             stats.speculation = SpeculationStats(method=drafter.method)
         return drafter
 
+    def _speculation_costs(self, prompt: Sequence[int]):
+        from .speculation import CostModel
+
+        if self._costs is None:
+            self._costs = CostModel.calibrate(self._runtime, prompt[-64:])
+        return self._costs
+
+    def _draft_runtime(self, spec: SpeculationOptions) -> LlamaRuntime:
+        from .speculation import open_draft_runtime
+
+        key = (spec.method == "self" or not spec.draft_model, spec.draft_model, spec.self_quant)
+        if key not in self._drafts:
+            self._drafts[key] = open_draft_runtime(self, spec)
+        return self._drafts[key]
+
     def _abort_if_active(self, generation: Generation) -> None:
         if self._active is generation:
             self._runtime.abort_flag.set()
@@ -207,6 +224,9 @@ class Engine:
             active.cancel()
         with self._lock:
             self._closed = True
+            for rt in self._drafts.values():
+                rt.close()
+            self._drafts.clear()
             self._runtime.close()
 
     def __enter__(self) -> Engine:

@@ -29,7 +29,7 @@ class SpeculationStats:
     steps: int = 0  # verification decodes that carried at least one drafted token
     per_position_drafted: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
-    switched_off: bool = False  # auto/adaptive decided speculation does not pay here
+    plain_steps: int = 0  # steps where the policy drafted nothing (no match, or it would not pay)
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,13 +66,14 @@ class SpeculationStats:
             "mean_accepted_len": round(self.mean_accepted_len, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "steps": self.steps,
-            "switched_off": self.switched_off,
+            "plain_steps": self.plain_steps,
         }
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the previous request's KV cache
     generated_tokens: int = 0
     ttft_s: float = 0.0  # request start to first generated token (includes prefill)
     prefill_s: float = 0.0
@@ -81,7 +82,9 @@ class GenerationStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens actually processed (cached ones excluded) per second."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -92,6 +95,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "ttft_s": round(self.ttft_s, 6),
             "prefill_tok_s": round(self.prefill_tok_s, 3),

@@ -148,11 +148,13 @@ class Generation(Iterator[Event]):
             if n_keep == len(prompt):
                 n_keep -= 1  # re-decode the last prompt token to get its logits
             rt.truncate(n_keep)
+            stats.cached_tokens = n_keep
             rest = prompt[n_keep:]
-            for s in range(0, len(rest), rt.n_batch):
-                if self._cancel.is_set():
-                    raise DecodeAborted()
-                rt.decode(rest[s : s + rt.n_batch])
+            with rt.abortable():
+                for s in range(0, len(rest), rt.n_batch):
+                    if self._cancel.is_set():
+                        raise DecodeAborted()
+                    rt.decode(rest[s : s + rt.n_batch])
             stats.prefill_s = time.perf_counter() - t0
             stats.prompt_tokens = len(prompt)
             sampler.prime(prompt)
@@ -220,6 +222,8 @@ class Generation(Iterator[Event]):
                     pending = [(sampler.sample(-1), False)]
                     if drafter is not None:
                         drafter.observe(history, 0, 0, time.perf_counter() - t_step)
+                        if stats.speculation is not None:
+                            stats.speculation.plain_steps += 1
         except DecodeAborted:
             finish = "cancelled"
         tail = text.flush()

