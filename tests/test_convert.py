@@ -320,3 +320,25 @@ def test_cli_nan_warning_is_printed(model, capsys):
         warnings.simplefilter("error")  # the CLI must catch and print it, not raise
         assert main(["convert", str(model)]) == 0
     assert "edgeinfer: warning: tensor model.norm.weight has NaN or Inf values" in capsys.readouterr().err
+
+
+def test_values_too_large_for_f16_warn(model):
+    f = SafetensorsFile(model / "model.safetensors")
+    tensors = {n: f.array(n).astype(np.float32) for n in f.tensors}
+    f.close()
+    tensors["model.layers.0.mlp.down_proj.weight"][1, 2] = 1e6
+    write_safetensors(model / "model.safetensors", tensors, "float32")
+    with pytest.warns(NonFiniteWeightWarning, match="model.layers.0.mlp.down_proj.weight has values too large for f16"):
+        convert_model(model, "f16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_model(model, "f32")  # f32 holds them: no warning
+
+
+def test_name_of_a_hub_cache_snapshot(small_models, tmp_path):
+    snap = tmp_path / "models--SomeOrg--Tiny-Model-1B" / "snapshots" / ("ab" * 20)
+    shutil.copytree(small_models["qwen2"], snap)
+    r = convert_model(snap, "f16", repo_id="SomeOrg/Tiny-Model-1B")
+    assert r.manifest.ref == "tiny-model-1b:f16"
+    assert r.manifest.derived_from == "SomeOrg/Tiny-Model-1B" and r.manifest.source["repo"] == "SomeOrg/Tiny-Model-1B"
+    assert _metadata(r.path)["general.source.repo_url"] == "https://huggingface.co/SomeOrg/Tiny-Model-1B"
