@@ -240,9 +240,10 @@ def test_imatrix_is_read_and_used(synthetic_f16: Path, tmp_path: Path):
     name = "blk.1.ffn_down.weight"
     np.testing.assert_allclose(im.entries[name], (sums[name] / 7.0).reshape(-1), rtol=1e-6)
 
-    plain = quantize_model(synthetic_f16, "Q4_K_M", n_threads=2)
-    weighted = quantize_model(synthetic_f16, "Q4_K_M", imatrix=path, n_threads=2)
-    assert weighted.manifest.tag == "q4_k_m-imat"
+    fast = dict(output_type="F16", embedding_type="F16", n_threads=2)  # vocabulary tensors copied, not quantized
+    plain = quantize_model(synthetic_f16, "Q4_K_M", **fast)
+    weighted = quantize_model(synthetic_f16, "Q4_K_M", imatrix=path, **fast)
+    assert weighted.manifest.tag == "q4_k_m-custom-imat"
     a, b = read_gguf(plain.path), read_gguf(weighted.path)
     ta = {t.name: t for t in a.tensors}
     differs = []
@@ -282,10 +283,10 @@ def test_cli_quantize_ladder(synthetic_f16: Path, capsys: pytest.CaptureFixture[
     from edgeinfer import Store
     from edgeinfer.cli import main
 
-    assert main(["quantize", str(synthetic_f16), "--types", "Q8_0,Q4_K_M", "--threads", "2"]) == 0
+    assert main(["quantize", str(synthetic_f16), "--types", "Q8_0,Q4_K_M", "--threads", "2", "--embedding-type", "F16"]) == 0
     out = capsys.readouterr().out
-    assert "synthetic-llama:q8_0" in out and "synthetic-llama:q4_k_m" in out and "bits/weight" in out
-    assert {m.ref for m in Store().list()} >= {"synthetic-llama:q8_0", "synthetic-llama:q4_k_m"}
+    assert "synthetic-llama:q8_0-custom" in out and "synthetic-llama:q4_k_m-custom" in out and "bits/weight" in out
+    assert {m.ref for m in Store().list()} >= {"synthetic-llama:q8_0-custom", "synthetic-llama:q4_k_m-custom"}
     assert main(["quantize", "smollm2-135m-instruct:q4_1", "--type", "Q4_K_M"]) == 1
     assert "allow-requantize" in capsys.readouterr().err
 
