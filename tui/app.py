@@ -16,6 +16,7 @@ from typing import Any
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message as TMessage
 from textual.screen import Screen
@@ -305,7 +306,10 @@ class EdgeInferApp(App[None]):
         return None
 
     def _set_stats(self, text: str) -> None:
-        self.chat_screen.query_one("#stats", Static).update(text)
+        try:
+            self.chat_screen.query_one("#stats", Static).update(text)
+        except NoMatches:  # the screen is being torn down (a late worker message at exit)
+            pass
 
     # -- sending and streaming -------------------------------------------------------------------
     @on(ChatInput.Submitted)

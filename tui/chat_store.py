@@ -33,7 +33,7 @@ def _now() -> str:
 def m001_initial(db: sqlite3.Connection) -> None:
     db.execute(
         """CREATE TABLE chats (
-            id INTEGER PRIMARY KEY,
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
             title TEXT NOT NULL,
             model TEXT,
             created TEXT NOT NULL,

@@ -210,7 +210,7 @@ class ManageScreen(Screen):
         name = event.value
         table = self.query_one("#ladder-table", DataTable)
         table.clear()
-        if name is Select.BLANK:
+        if name is Select.NULL:
             self.query_one("#ladder-chart", Static).update("")
             return
         rungs = [e for e in self.entries if (e.name or e.ref.split(":")[0]) == name]

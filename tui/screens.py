@@ -232,7 +232,7 @@ class SpeculationScreen(_Modal):
                 yield Select([(label, m) for m, label in SPECULATION_CHOICES], value=s.method, allow_blank=False, id="spec-method")
             with Horizontal(classes="field"):
                 yield Label("Draft model")
-                yield Select(draft_options, value=s.draft_model if s.draft_model else Select.BLANK, id="spec-draft")
+                yield Select(draft_options, value=s.draft_model if s.draft_model else Select.NULL, id="spec-draft")
             with Horizontal(classes="field"):
                 yield Label("Self-draft quant")
                 yield Input(s.self_quant, id="spec-self")
@@ -257,7 +257,7 @@ class SpeculationScreen(_Modal):
             draft = self.query_one("#spec-draft", Select).value
             new = SpeculationSettings(
                 method=str(self.query_one("#spec-method", Select).value),
-                draft_model=None if draft is Select.BLANK else str(draft),
+                draft_model=None if draft is Select.NULL else str(draft),
                 self_quant=self.query_one("#spec-self", Input).value.strip().upper() or "Q3_K_M",
                 draft_max=_num(self.query_one("#spec-k", Input).value, int, "Draft length"),
             )

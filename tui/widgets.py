@@ -170,7 +170,7 @@ class MessageView(Vertical):
 
 class ChatListItem(ListItem):
     def __init__(self, chat_id: int, title: str):
-        super().__init__(Label(title, markup=False), id=f"chat-{chat_id}")
+        super().__init__(Label(title, markup=False))
         self.chat_id = chat_id
         self.title = title
 

@@ -68,7 +68,7 @@ def test_escape_cancels_and_keeps_partial_reply(make_app, backend):
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: app.chat is not None)
-            await pilot.press(*"one two three four")
+            app.chat_input.text = "one two three four"
             await pilot.press("enter")
             backend.gate.release(2)
             await wait_for(pilot, lambda: len(_views(app)) == 2 and _views(app)[1].content == "Echo: one")
