@@ -83,6 +83,7 @@ TENSOR_TYPES: tuple[str, ...] = (
 PARAMS_SIZE = 64
 _PINNED_BINDING = "0.3.36"
 
+_QUANTIZE_LOCK = threading.Lock()
 _TENSOR_RE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[[^\]]*\],\s*type\s*=\s*(\w+)")
 _CONVERT_RE = re.compile(r"converting to (\w+)")
 
@@ -249,6 +250,8 @@ class _LogCapture:
         self._lock = threading.Lock()
 
     def feed(self, level: int, text: str) -> None:
+        if self.callback_error is not None:
+            return
         try:
             with self._lock:
                 self._buf += text
@@ -421,9 +424,10 @@ def quantize_model(
         raise StoreError(f"{out_name}:{out_tag} is already in the store (remove it first, or choose another --name)")
     if target.exists() and Path(src_path).resolve() == target.resolve():
         raise InvalidOptionError(f"the output would overwrite the source {src_ref}")
-    estimate = int(src_info.parameter_count * 4.5 / 8) if qtype not in ("F32", "F16", "BF16", "Q8_0") \
-        else src_info.parameter_count * {"F32": 4, "F16": 2, "BF16": 2, "Q8_0": 1.07}[qtype]
-    ensure_free_space(target.parent, int(estimate) + (64 << 20), f"the {qtype} copy of {src_ref}")
+    # generous: no type here takes more than F32's 4 bytes per weight, most far less
+    bytes_per_weight = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.07}.get(qtype, 0.85)
+    ensure_free_space(target.parent, int(src_info.parameter_count * bytes_per_weight) + (64 << 20),
+                      f"the {qtype} copy of {src_ref}")
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = int(n_threads or os.cpu_count() or 1)
@@ -460,22 +464,20 @@ def quantize_model(
 
     capture = _LogCapture(llama_cpp, on_progress)
     started = time.monotonic()
-    with atomic_path(target) as tmp:
+    # One quantization at a time per process: the log sink is process-wide, and llama.cpp already
+    # uses every core for one.
+    with _QUANTIZE_LOCK, atomic_path(target) as tmp:
         with capture.installed():
             rc = _run_uninterruptible(
                 lambda: llama_cpp.llama_model_quantize(str(src_path).encode(), str(tmp).encode(), ctypes.byref(params))
             )
-        if capture.callback_error is not None and not isinstance(capture.callback_error, Exception):
+        if capture.callback_error is not None:  # a front end's progress callback raised: give up cleanly
             raise capture.callback_error
         if rc != 0:
             raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
-        info = read_gguf(tmp)
+        read_gguf(tmp)  # validate before the file takes its final name
         seconds = time.monotonic() - started
     del keepalive
-    if capture.callback_error is not None:  # a front end's progress callback raised
-        with contextlib.suppress(FileNotFoundError):
-            target.unlink()
-        raise capture.callback_error
 
     info = read_gguf(target)
     try:

@@ -318,3 +318,16 @@ def test_sigint_in_a_real_cli_process_leaves_nothing(synthetic_f16: Path, edgein
     assert b"interrupted" in err
     assert _leftovers(edgeinfer_home) == []
     assert not list((edgeinfer_home / "manifests").glob("synthetic-llama/*.json"))
+
+
+def test_failing_progress_callback_aborts_cleanly(synthetic_f16: Path, edgeinfer_home: Path):
+    from edgeinfer import Store
+    from edgeinfer.quantize import quantize_model
+
+    def broken(ev):
+        raise RuntimeError("front end went away")
+
+    with pytest.raises(RuntimeError, match="front end went away"):
+        quantize_model(synthetic_f16, "Q4_0", output_type="F16", embedding_type="F16", on_progress=broken, n_threads=2)
+    assert Store().find("synthetic-llama:q4_0-custom") is None
+    assert _leftovers(edgeinfer_home) == []
