@@ -31,6 +31,7 @@ __all__ = [
     "write_dequantized_default_gguf",
     "write_safetensors",
     "write_tokenizer",
+    "write_sentencepiece_tokenizer",
     "default_gguf_path",
     "llama_cpp_logits",
     "PRE_TOKENIZERS",
@@ -196,6 +197,28 @@ def write_tokenizer(folder: Path, pre: str = "smollm") -> int:
     return len(tokens)
 
 
+def write_sentencepiece_tokenizer(folder: Path, corpus: str, vocab_size: int = 1000) -> int:
+    """Train a small Llama-style SentencePiece BPE (byte fallback, digits split, no normalization)
+    on `corpus`, save it as tokenizer.model with a tokenizer_config.json; returns its size."""
+    import sentencepiece as spm
+
+    folder = Path(folder)
+    (folder / "corpus.txt").write_text(corpus, encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"), model_prefix=str(folder / "tokenizer"), vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+        character_coverage=1.0, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        unk_id=0, bos_id=1, eos_id=2, minloglevel=2, num_threads=1,
+    )
+    (folder / "corpus.txt").unlink()
+    (folder / "tokenizer.vocab").unlink()
+    cfg = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+           "unk_token": "<unk>", "legacy": False, "tokenizer_class": "LlamaTokenizer",
+           "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return vocab_size
+
+
 # -- random models ---------------------------------------------------------------------------------
 def make_random_hf_model(
     folder: Path,
@@ -213,16 +236,22 @@ def make_random_hf_model(
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
     pre_tokenizer: str | None = None,
+    sentencepiece_corpus: str | None = None,
     seed: int = 0,
 ) -> Path:
     """A tiny random `arch` checkpoint (llama | qwen2 | qwen3) with a real tokenizer; returns `folder`.
 
     Weights are scaled so that logits have a clear spread (no near-ties at argmax).
     `head_dim` (qwen3 defaults to 2 * hidden / heads, so it differs from hidden / heads).
+    `sentencepiece_corpus`: use a SentencePiece tokenizer.model trained on this text instead
+    (Llama 2 style, 1000 tokens).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder, pre_tokenizer or ("smollm" if arch == "llama" else "qwen2"))
+    if sentencepiece_corpus is not None:
+        vocab = write_sentencepiece_tokenizer(folder, sentencepiece_corpus)
+    else:
+        vocab = write_tokenizer(folder, pre_tokenizer or ("smollm" if arch == "llama" else "qwen2"))
     if head_dim is None:
         head_dim = 2 * hidden // heads if arch == "qwen3" else hidden // heads
     rng = np.random.default_rng(seed)

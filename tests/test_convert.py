@@ -342,3 +342,9 @@ def test_name_of_a_hub_cache_snapshot(small_models, tmp_path):
     assert r.manifest.ref == "tiny-model-1b:f16"
     assert r.manifest.derived_from == "SomeOrg/Tiny-Model-1B" and r.manifest.source["repo"] == "SomeOrg/Tiny-Model-1B"
     assert _metadata(r.path)["general.source.repo_url"] == "https://huggingface.co/SomeOrg/Tiny-Model-1B"
+
+
+def test_damaged_sentencepiece_model(model):
+    (model / "tokenizer.model").write_bytes(b"\x0a\x05not a model" * 10)
+    with pytest.raises(ConversionError, match="tokenizer.model is not a valid SentencePiece model"):
+        convert_model(model)

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "convert",
         parents=[common_options()],
         help="convert a Hugging Face safetensors model to GGUF",
-        description="Convert a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or a "
+        description="Convert a Hugging Face model folder (config.json, *.safetensors, tokenizer.json or tokenizer.model) or a "
         "Hub repo id to GGUF and add it to the store as NAME:OUTTYPE.",
     )
     p.add_argument("source", metavar="SOURCE", help="a local model folder, or a Hub repo id like org/name")

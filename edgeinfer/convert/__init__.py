@@ -4,7 +4,8 @@
     result = convert_model("./SmolLM2-360M-Instruct", "f16")   # into the store as smollm2-360m-instruct:f16
 
 Architectures live in `edgeinfer.convert.arch` (one small module each); the tokenizer in
-`tokenizer`; the bounds-checked safetensors reader in `safetensors`.
+`tokenizer` (byte-level BPE tokenizer.json, SentencePiece tokenizer.model); the bounds-checked
+safetensors reader in `safetensors`.
 """
 
 from __future__ import annotations

@@ -43,16 +43,19 @@ _SUPPORTED_NORMALIZERS = (None, "NFC")
 
 @dataclass
 class Vocab:
-    model: str  # tokenizer.ggml.model
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
     pre: str  # tokenizer.ggml.pre
-    tokens: list[str]
+    tokens: list[str] | list[bytes]
     token_types: list[int]
     special: gguf.SpecialVocab  # merges, special token ids, add_bos/eos, chat template
+    scores: list[float] | None = None  # SentencePiece only
 
     def add_to_gguf(self, writer: gguf.GGUFWriter) -> None:
         writer.add_tokenizer_model(self.model)
         writer.add_tokenizer_pre(self.pre)
         writer.add_token_list(self.tokens)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
         writer.add_token_types(self.token_types)
         self.special.add_to_gguf(writer, quiet=True)
 
@@ -105,19 +108,20 @@ def _looks_special(text: str) -> bool:
 
 
 def load_vocab(folder: Path, vocab_size: int | None) -> Vocab:
-    """Tokens, types, merges and special tokens of a byte-level BPE tokenizer in `folder`.
+    """Tokens, types, merges and special tokens of the tokenizer in `folder`.
 
-    `vocab_size` is the model's embedding row count: ids the tokenizer does not use are padded
-    with unused `[PAD{i}]` tokens, as llama.cpp's converter does.
+    A SentencePiece `tokenizer.model` (Llama 2, TinyLlama, Mistral) wins over the tokenizer.json
+    that such repos also ship (a byte-fallback BPE llama.cpp runs as SentencePiece anyway);
+    otherwise `tokenizer.json` must be a byte-level BPE. `vocab_size` is the model's embedding
+    row count: ids the tokenizer does not use are padded with unused `[PAD{i}]` tokens, as
+    llama.cpp's converter does.
     """
     folder = Path(folder)
+    if (folder / "tokenizer.model").is_file():
+        return _load_sentencepiece(folder, vocab_size)
     path = folder / "tokenizer.json"
     if not path.is_file():
-        if (folder / "tokenizer.model").is_file():
-            raise ConversionError(
-                "only tokenizer.model (SentencePiece) found; edgeinfer converts byte-level BPE tokenizer.json tokenizers"
-            )
-        raise ConversionError(f"no tokenizer.json in {folder}")
+        raise ConversionError(f"no tokenizer.json (or SentencePiece tokenizer.model) in {folder}")
     try:
         tok = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -164,3 +168,58 @@ def load_vocab(folder: Path, vocab_size: int | None) -> Vocab:
     if not special_vocab.merges:
         raise ConversionError("tokenizer.json has no merges")
     return Vocab(model="gpt2", pre=pre, tokens=tokens, token_types=[int(t) for t in types], special=special_vocab)
+
+
+def _load_sentencepiece(folder: Path, vocab_size: int | None) -> Vocab:
+    """tokenizer.model -> llama.cpp's "llama" (SPM) vocabulary, following llama.cpp's converter."""
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        raise ConversionError("converting a SentencePiece tokenizer.model needs: pip install sentencepiece") from None
+    path = folder / "tokenizer.model"
+    sp = SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(path.read_bytes())
+    except Exception as e:  # the library raises RuntimeError / OSError on a damaged file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConversionError(f"tokenizer.model is not a valid SentencePiece model: {first}") from None
+    n_sp = sp.vocab_size()
+    n = vocab_size if vocab_size is not None else n_sp
+    tokens: list[bytes] = [f"[PAD{i}]".encode() for i in range(n)]
+    scores = [-10000.0] * n
+    types = [int(gguf.TokenType.UNUSED)] * n
+    for i in range(min(n_sp, n)):
+        tokens[i] = sp.IdToPiece(i).encode("utf-8")
+        scores[i] = float(sp.GetScore(i))
+        if sp.IsUnknown(i):
+            types[i] = gguf.TokenType.UNKNOWN
+        elif sp.IsControl(i):
+            types[i] = gguf.TokenType.CONTROL
+        elif sp.IsUnused(i):
+            types[i] = gguf.TokenType.UNUSED
+        elif sp.IsByte(i):
+            types[i] = gguf.TokenType.BYTE
+        else:
+            types[i] = gguf.TokenType.NORMAL
+    # Tokens added on top (tokenizer_config.json's added_tokens_decoder).
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConversionError(f"tokenizer_config.json is not valid JSON: {e}") from None
+        for key, data in (cfg.get("added_tokens_decoder") or {}).items():
+            if not str(key).isdigit() or not isinstance(data, dict) or not isinstance(data.get("content"), str):
+                continue
+            i, text = int(key), data["content"]
+            if i >= n:
+                raise ConversionError(f"tokenizer_config.json adds token id {i} but the model's vocab_size is {n}")
+            if i < n_sp:
+                continue  # already in the model (e.g. <s>, </s>, <unk>)
+            special = bool(data.get("special")) or _looks_special(text)
+            tokens[i] = (text if special else text.replace(" ", "\u2581")).encode("utf-8")
+            scores[i] = -1000.0
+            types[i] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
+    special_vocab = gguf.SpecialVocab(folder, n_vocab=n)
+    return Vocab(model="llama", pre="default", tokens=tokens, token_types=[int(t) for t in types],
+                 special=special_vocab, scores=scores)
