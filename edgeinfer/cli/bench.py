@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     results = bench_many(models, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                          repeats=args.repeats, n_threads=args.threads,
                          on_progress=None if args.json else
-                         (lambda e: print(f"… {e.phase} {e.model}", file=sys.stderr, flush=True)))
+                         (lambda e: print(f"… {e.phase} {e.model}".rstrip(), file=sys.stderr, flush=True)))
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
         return 0
