@@ -85,7 +85,7 @@ def main() -> int:
     order = [ref.ref] + [refs[q] for q in types]
     for _ in range(args.rounds):
         for m in order:
-            b = bench(m, prompt_tokens=64, decode_tokens=64, repeats=1, n_threads=args.threads, store=store,
+            b = bench(m, prompt_tokens=32, decode_tokens=48, repeats=1, n_threads=args.threads, store=store,
                       bandwidth=bw, save=False)
             speed[m] = max(speed.get(m, 0.0), b.decode_tok_s)
     roof = {m: bw / bytes_per_token(read_gguf(store.get(m).path)) for m in order}
@@ -108,7 +108,7 @@ def main() -> int:
     print(f"\nPPL/KLD over {n_pos} scored tokens ({args.chunks} chunks × {args.ctx // 2 - 1}) of the shipped eval text; "
           f"eval s = one model's pass (the reference's logits are computed once per chunk, in the first model's time); "
           f"all evals {eval_total:.0f}s. Memory bandwidth {bw / 1e9:.1f} GB/s (numpy); decode best of {args.rounds} "
-          f"alternating rounds of 64 tokens. Total {time.monotonic() - t0:.0f}s.")
+          f"alternating rounds of 48 tokens. Total {time.monotonic() - t0:.0f}s.")
     if tmp is not None:
         tmp.cleanup()
     return 0
