@@ -117,3 +117,18 @@ def test_sentencepiece_llama_tokenizes_like_sentencepiece_and_matches_reference(
     ref = forward_logits(src, tokens)
     got = llama_cpp_logits(out.path, tokens)
     assert np.abs(got - ref).max() < 1e-3
+
+
+@pytest.mark.slow
+def test_cli_convert_then_quantize(tmp_path, capsys):
+    """`edgeinfer convert SRC --quant Q4_K_M,Q6_K` hands the f16 result to the quantizer."""
+    from edgeinfer.cli import main
+    from edgeinfer.store import Store
+
+    src = make_random_hf_model(tmp_path / "to-quant", "llama", dtype="bfloat16", layers=2)
+    assert main(["convert", str(src), "--outtype", "f16", "--quant", "Q4_K_M,Q6_K"]) == 0
+    store = Store()
+    assert store.get("to-quant:f16").derived_from == str(src.resolve())
+    for tag, quant in (("q4_k_m", "Q4_K_M"), ("q6_k", "Q6_K")):
+        m = store.get(f"to-quant:{tag}")
+        assert m.quant == quant and m.derived_from == "to-quant:f16"

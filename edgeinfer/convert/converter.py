@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import struct
 import time
 import warnings
 from collections import deque
@@ -212,6 +213,29 @@ class _TensorStream:
             raise ConversionError(f"internal error: {self.plan.name} produced {written} bytes, expected {self.nbytes}")
 
 
+class _Writer(gguf.GGUFWriter):
+    """GGUFWriter with a fast path for the long arrays of a vocabulary: the generic packer
+    handles them one item at a time (about a second per conversion for a 50k vocabulary).
+    Produces the same bytes; anything unusual goes to the generic packer."""
+
+    def _pack_val(self, val: Any, vtype: gguf.GGUFValueType, add_vtype: bool,
+                  sub_type: gguf.GGUFValueType | None = None) -> bytes:
+        VT = gguf.GGUFValueType
+        if vtype == VT.ARRAY and self.endianess == gguf.GGUFEndian.LITTLE and isinstance(val, list) and len(val) > 256:
+            head = struct.pack("<I", vtype) if add_vtype else b""
+            if sub_type in (None, VT.STRING) and all(isinstance(v, (str, bytes)) for v in val):
+                enc = [v.encode("utf-8") if isinstance(v, str) else v for v in val]
+                body = b"".join(struct.pack("<Q", len(b)) + b for b in enc)
+                return head + struct.pack("<IQ", VT.STRING, len(enc)) + body
+            if sub_type in (None, VT.INT32) and all(type(v) is int for v in val):
+                arr = np.asarray(val, dtype=np.int64)
+                if arr.min() >= -(2**31) and arr.max() < 2**31:
+                    return head + struct.pack("<IQ", VT.INT32, len(val)) + arr.astype("<i4").tobytes()
+            if sub_type in (None, VT.FLOAT32) and all(type(v) is float for v in val):
+                return head + struct.pack("<IQ", VT.FLOAT32, len(val)) + np.asarray(val, dtype="<f4").tobytes()
+        return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+
 def _model_name(folder: Path, config: dict[str, Any]) -> str:
     """A display name: the folder, or the repo name of a Hugging Face cache snapshot."""
     if re.fullmatch(r"[0-9a-f]{40}", folder.name) and folder.parent.name == "snapshots":
@@ -337,7 +361,7 @@ def convert_model(
         ensure_free_space(target.parent, total_out + (64 << 20), "the converted model")
 
         with atomic_path(target) as tmp:
-            w = gguf.GGUFWriter(tmp, arch.name)
+            w = _Writer(tmp, arch.name)
             try:
                 w.add_name(display)
                 w.add_type(gguf.GGUFType.MODEL)
