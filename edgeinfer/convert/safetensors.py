@@ -203,7 +203,8 @@ def open_checkpoint(folder: Path) -> Checkpoint:
                 raise ConversionError(f"missing weight shard {s} (listed in {index.name})")
         paths = [folder / s for s in shard_names]
     else:
-        paths = sorted(folder.glob("*.safetensors"))
+        # Prefer HF's own file names: some repos also carry other-format weights (consolidated.safetensors).
+        paths = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
         if not paths:
             extra = " (PyTorch .bin weights are not supported: no torch)" if list(folder.glob("*.bin")) else ""
             raise ConversionError(f"no safetensors weights in {folder}{extra}")
