@@ -391,7 +391,7 @@ def convert_model(
                 w.flush()
             finally:
                 w.close()
-    info = read_gguf(target)
+            info = read_gguf(tmp)  # validated before it gets its final name
     if not register:
         return ConvertResult(target, None, arch.name, outtype, len(plans), total_src, target.stat().st_size,
                              time.monotonic() - t0, tuple(warned))
