@@ -185,6 +185,12 @@ class Engine:
         if self._active is generation:
             self._runtime.abort_flag.set()
 
+    def reset(self) -> None:
+        """Forget the cached prompt, so the next request starts from an empty KV cache (a request
+        normally re-uses the longest prefix it shares with the previous one)."""
+        with self._lock:
+            self._runtime.clear()
+
     # -- evaluation ------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:
         """Logits (float32, [len(tokens) - start, n_vocab]) from a fresh KV cache: row i is the

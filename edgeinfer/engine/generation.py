@@ -158,12 +158,12 @@ class Generation(Iterator[Event]):
             stats.prefill_s = time.perf_counter() - t0
             stats.prompt_tokens = len(prompt)
             sampler.prime(prompt)
-            if drafter is not None:
-                drafter.start(prompt)
             history = list(prompt)
             pending = [(sampler.sample(-1), False)]
             t_first = time.perf_counter()
             stats.ttft_s = t_first - t0
+            if drafter is not None:
+                drafter.start(prompt)  # may decode (cost calibration): only after the sample above
 
             while True:
                 # Commit the tokens of the last step, one event each.

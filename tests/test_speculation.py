@@ -1,0 +1,202 @@
+"""Speculative decoding is lossless: same greedy tokens, same sampling distribution, a KV cache
+that stays consistent through accept/reject cycles; incompatible drafts are refused clearly."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from edgeinfer import GenerateOptions, IncompatibleDraftError, SamplingOptions, SpeculationOptions, Store
+from edgeinfer.engine.speculation import NgramIndex
+
+pytestmark = pytest.mark.slow
+
+WORKLOADS = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads"
+
+
+def code_edit_messages() -> list[dict[str, str]]:
+    code = (WORKLOADS / "code_edit.py").read_text()
+    return [{"role": "user", "content": "Rename the function compute_total to total_stock_value everywhere in this "
+             "file and return the whole file.\n\n```python\n" + code + "```"}]
+
+
+PROMPTS = [
+    code_edit_messages(),
+    [{"role": "user", "content": "Here is a passage:\n\nThe lighthouse keeper climbed the one hundred and twelve "
+      "steps every evening at dusk, trimmed the wick, polished the great lens, and wrote the weather in a "
+      "leather logbook that his grandfather had started.\n\nQuote the sentence that says what he wrote in."}],
+    [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+]
+
+
+@pytest.fixture(scope="module")
+def f16_path(tmp_path_factory, default_model_path) -> Path:
+    """The default model requantized to F16 by llama.cpp: its batched and one-token paths round
+    alike, so greedy outputs can be compared token for token (Q4_1's cannot, see DESIGN.md)."""
+    from edgeinfer.quantize import quantize_model
+
+    store = Store(tmp_path_factory.mktemp("spec-store"))
+    with pytest.warns(UserWarning):
+        result = quantize_model(default_model_path, "F16", store=store, allow_requantize=True)
+    return result.path
+
+
+@pytest.fixture(scope="module")
+def f16_engine(f16_path):
+    engine = edgeinfer.load(f16_path, n_ctx=4096, flash_attn=False)
+    yield engine
+    engine.close()
+
+
+def greedy(n: int, spec: SpeculationOptions | None = None) -> GenerateOptions:
+    return GenerateOptions(max_tokens=n, sampling=SamplingOptions(temperature=0.0),
+                           speculation=spec or SpeculationOptions())
+
+
+def run(engine, messages, opts):
+    engine.reset()  # the same (empty) cache for every run: identical batch shapes for the prompt
+    return engine.chat(messages, opts).result()
+
+
+def test_ngram_index_prefers_longest_then_most_recent():
+    idx = NgramIndex(n_min=2, n_max=3)
+    idx.extend([1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
+    draft, n = idx.lookup(5)
+    assert (draft, n) == ([4, 7, 1, 2], 2)  # most recent "1 2" continues with 4
+    idx.extend([3])
+    draft, n = idx.lookup(3)
+    assert (draft, n) == ([9, 1, 2], 3)  # "1 2 3" occurred once, followed by 9
+
+
+CASES = [
+    ("code-edit", 0, SpeculationOptions(method="lookup")),
+    ("code-edit", 0, SpeculationOptions(method="lookup", adaptive=False, draft_max=8)),  # drafts whenever it can
+    ("code-edit", 0, SpeculationOptions(method="auto")),
+    ("rag-quote", 1, SpeculationOptions(method="lookup", adaptive=False, draft_max=8)),
+    ("free-chat", 2, SpeculationOptions(method="auto")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[2].method}{'' if c[2].adaptive else '-fixed'}" for c in CASES])
+def test_greedy_output_is_token_identical(f16_engine, case):
+    _, prompt_index, spec = case
+    messages = PROMPTS[prompt_index]
+    plain = run(f16_engine, messages, greedy(80))
+    fast = run(f16_engine, messages, greedy(80, spec))
+    assert fast.tokens == plain.tokens
+    assert fast.text == plain.text
+    assert fast.stats.speculation is not None
+
+
+def test_fixed_k_lookup_actually_drafts_on_code_edit(f16_engine):
+    done = run(f16_engine, PROMPTS[0], greedy(96, SpeculationOptions(method="lookup", adaptive=False, draft_max=8)))
+    sp = done.stats.speculation
+    assert sp.drafted > 20 and sp.accepted > 10 and sp.steps > 3
+    assert 0 < sp.acceptance_rate <= 1 and sp.mean_accepted_len > 0
+    assert len(sp.per_position_acceptance) == 8
+
+
+def test_draft_model_greedy_identical(f16_engine, default_model_path):
+    spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=4)
+    for messages in PROMPTS[:2]:
+        plain = run(f16_engine, messages, greedy(64))
+        fast = run(f16_engine, messages, greedy(64, spec))
+        assert fast.tokens == plain.tokens
+        assert fast.stats.speculation.drafted > 0 and fast.stats.speculation.method == "draft"
+
+
+def test_kv_cache_consistent_after_many_accept_reject_cycles(f16_engine):
+    done = run(f16_engine, PROMPTS[0], greedy(160, SpeculationOptions(method="lookup", adaptive=False, draft_max=6)))
+    sp = done.stats.speculation
+    assert sp.steps > 5 and sp.accepted < sp.drafted  # there were rejections to clean up
+    rt = f16_engine._runtime
+    cached = list(rt.cached)
+    with f16_engine._lock:  # white-box: the next-token logits of the speculated cache
+        rt.truncate(len(cached) - 1)
+        rt.decode([cached[-1]])
+        ours = rt.logits_row(-1).copy()
+    fresh = f16_engine.logits(cached)[-1]
+    np.testing.assert_allclose(ours, fresh, atol=2e-2 * np.abs(fresh).max())
+    assert int(np.argmax(ours)) == int(np.argmax(fresh))
+
+
+def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
+    """At temperature 1 the first tokens follow the target's distribution with a (fixed-k) draft
+    model speculating: chi-square between plain and speculative samples over disjoint seed sets."""
+    from scipy.stats import chi2_contingency
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3, p_min=0.0)
+    n = 120
+
+    def sample(speculation: SpeculationOptions | None, seeds: range) -> tuple[collections.Counter, int, int]:
+        seqs: collections.Counter = collections.Counter()
+        drafted = accepted = 0
+        for seed in seeds:
+            opts = GenerateOptions(max_tokens=3, sampling=SamplingOptions(temperature=1.0, top_k=0, top_p=1.0,
+                                   min_p=0.0, seed=seed), speculation=speculation or SpeculationOptions())
+            done = f16_engine.chat(messages, opts).result()
+            seqs[tuple(done.tokens[:3])] += 1
+            if done.stats.speculation:
+                drafted += done.stats.speculation.drafted
+                accepted += done.stats.speculation.accepted
+        return seqs, drafted, accepted
+
+    plain, _, _ = sample(None, range(n))
+    spec_counts, drafted, accepted = sample(spec, range(n, 2 * n))
+    assert drafted >= n and accepted > 0  # the drafter really took part (one draft step each)
+    # categories: sequences seen at least 8 times overall, the rest pooled
+    keys = [k for k in set(plain) | set(spec_counts) if plain[k] + spec_counts[k] >= 8]
+    table = [[plain[k] for k in keys] + [n - sum(plain[k] for k in keys)],
+             [spec_counts[k] for k in keys] + [n - sum(spec_counts[k] for k in keys)]]
+    table = [list(col) for col in zip(*table) if sum(col) > 0]
+    _, p_value, _, _ = chi2_contingency(np.array(table).T)
+    assert p_value > 0.001, (p_value, table)
+
+
+def test_same_seed_gives_same_sample_with_speculation(f16_engine, default_model_path):
+    """Each position is sampled by the target's own sampler chain in order, so with one seed the
+    sampled tokens are the same with and without a drafter."""
+    spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=4)
+    same = 0
+    for seed in range(6):
+        opts = GenerateOptions(max_tokens=24, sampling=SamplingOptions(temperature=0.8, seed=seed))
+        f16_engine.reset()
+        a = f16_engine.chat(PROMPTS[2], opts).result()
+        f16_engine.reset()
+        b = f16_engine.chat(PROMPTS[2], GenerateOptions(max_tokens=24, sampling=opts.sampling, speculation=spec)).result()
+        same += a.tokens == b.tokens
+    assert same >= 5
+
+
+def test_incompatible_draft_is_refused(f16_engine, tmp_path):
+    """A draft with another vocabulary (a SentencePiece model) is refused, naming the mismatch."""
+    from hf_models import make_random_hf_model
+
+    from edgeinfer.convert import convert_model
+
+    corpus = (Path(__file__).read_text()) * 3
+    src = make_random_hf_model(tmp_path / "spm", "llama", sentencepiece_corpus=corpus)
+    other = convert_model(src, "f16", tmp_path / "spm.gguf", register=False).path
+    spec = SpeculationOptions(method="draft", draft_model=str(other))
+    with pytest.raises(IncompatibleDraftError, match="incompatible with the target: vocabulary"):
+        f16_engine.chat(PROMPTS[1], greedy(8, spec)).result()
+    # the engine is still usable
+    assert f16_engine.chat(PROMPTS[1], greedy(4)).result().tokens
+
+
+def test_self_draft_is_made_by_the_quantizer_and_lossless(f16_path, tmp_path):
+    store = Store()
+    f16 = store.register(f16_path, "spec-target", "f16", owned=False)
+    with edgeinfer.load(f16.ref, n_ctx=4096, flash_attn=False) as engine:
+        spec = SpeculationOptions(method="self", self_quant="Q8_0", adaptive=False, draft_max=4)
+        plain = run(engine, PROMPTS[1], greedy(48))
+        fast = run(engine, PROMPTS[1], greedy(48, spec))
+        assert fast.tokens == plain.tokens
+        assert fast.stats.speculation.method == "self=Q8_0" and fast.stats.speculation.drafted > 0
+    made = [m for m in store.list() if m.name == "spec-target" and m.tag != "f16"]
+    assert made and made[0].derived_from == "spec-target:f16" and made[0].quant == "Q8_0"
