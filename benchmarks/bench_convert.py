@@ -37,8 +37,9 @@ before = rss_kb()
 t0 = time.perf_counter()
 r = convert_model(sys.argv[1], sys.argv[2], sys.argv[3], register=False)
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "source_bytes": r.source_bytes, "output_bytes": r.output_bytes,
-                  "rss_before_kb": before, "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "cpu_seconds": ru.ru_utime + ru.ru_stime, "source_bytes": r.source_bytes, "output_bytes": r.output_bytes,
+                  "rss_before_kb": before, "peak_rss_kb": ru.ru_maxrss}))
 """
 
 
@@ -133,6 +134,7 @@ def main() -> int:
             rows.append([
                 outtype,
                 f"{r['seconds']:.1f}",
+                f"{r['cpu_seconds']:.1f}",
                 f"{r['source_bytes'] / 1e6 / r['seconds']:.0f}",
                 f"{r['output_bytes'] / 1e9:.2f}",
                 f"{peak / 1e6:.0f}",
@@ -142,9 +144,10 @@ def main() -> int:
             ])
             print(f"  {outtype}: done", flush=True)
         print()
-        print_table(rows, ["OUTTYPE", "SECONDS", "MB/S (src)", "OUT GB", "PEAK RSS MB", "RSS AT START MB",
+        print_table(rows, ["OUTTYPE", "WALL S", "CPU S", "MB/S (src, wall)", "OUT GB", "PEAK RSS MB", "RSS AT START MB",
                            "PEAK/LARGEST", "(PEAK-START)/LARGEST"])
-        print(f"\nlargest tensor: {largest / 1e6:.0f} MB (bf16 source); target: peak <= 2x largest + 300 MB "
+        print(f"\nload average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (wall time depends on it, CPU time less)")
+        print(f"largest tensor: {largest / 1e6:.0f} MB (bf16 source); target: peak <= 2x largest + 300 MB "
               f"= {(2 * largest + 300e6) / 1e6:.0f} MB")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
