@@ -154,6 +154,9 @@ def throughput(work: Path, big: Path, rounds: int) -> None:
         print(f"| {name} | {med:.3f} | {size / 1e6 / med:.0f} | {min(ts):.3f} | {max(ts):.3f} |")
     ratio = statistics.median(times["edgeinfer.hub.pull"]) / statistics.median(times["hf_hub_download"])
     paired = statistics.median(a / b for a, b in zip(times["edgeinfer.hub.pull"], times["hf_hub_download"]))
+    for name, ts in times.items():
+        print(f"\n{name} per round (s): {', '.join(f'{t:.3f}' for t in ts)}", end="")
+    print()
     total = statistics.median(whole) / statistics.median(times["hf_hub_download"])
     print(f"\ndownload overhead of edgeinfer.hub.pull vs hf_hub_download (median time ratio − 1): "
           f"{100 * (ratio - 1):+.1f} % (median of per-round ratios: {100 * (paired - 1):+.1f} %); "
@@ -181,11 +184,9 @@ def ttft(work: Path) -> None:
     t_load = time.perf_counter() - t0
     gen = engine.generate("The capital of France is", GenerateOptions(max_tokens=4, sampling=SamplingOptions(temperature=0)))
     first = None
-    for ev in gen:
-        if isinstance(ev, TokenEvent):
+    for ev in gen:  # drained, not left with `break`: engine.close() waits for an unfinished generation
+        if isinstance(ev, TokenEvent) and first is None:
             first = time.perf_counter() - t0
-            break
-    gen.cancel()
     engine.close()
     print(f"\n## Safetensors repo → first token (default model exported to HF bf16, profile balanced → {r.manifest.quant})\n")
     print("| step | seconds since `pull` started |")

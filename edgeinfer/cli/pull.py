@@ -94,6 +94,7 @@ def run_pull(args: argparse.Namespace) -> int:
             return 1
 
     bars: dict[str, ProgressBar] = {}
+    open_bars: dict[str, ProgressBar] = {}  # drawn but not finished: end their line on errors
     stage_bar: list[ProgressBar | None] = [None]
 
     def close_stage() -> None:
@@ -112,6 +113,9 @@ def run_pull(args: argparse.Namespace) -> int:
             bar.update(ev.done, ev.total, label=label + status)
             if ev.status in ("cached", "done"):
                 bar.close()
+                open_bars.pop(ev.file, None)
+            else:
+                open_bars[ev.file] = bar
         elif isinstance(ev, hub.PullStage):
             close_stage()
             print(f"{ev.stage}: {ev.message}", file=sys.stderr)
@@ -126,12 +130,15 @@ def run_pull(args: argparse.Namespace) -> int:
             stage_bar[0].update(ev.tensor_index, ev.n_tensors)
 
     try:
-        result = hub.pull(args.spec, **kwargs, on_progress=on_progress)
+        try:
+            result = hub.pull(args.spec, **kwargs, on_progress=on_progress)
+        finally:  # end the bars' lines before any message
+            close_stage()
+            for bar in open_bars.values():
+                bar.close()
     except (KeyboardInterrupt, Cancelled):
-        print("\nedgeinfer: pull interrupted; run the same command again to resume", file=sys.stderr)
+        print("edgeinfer: pull interrupted; run the same command again to resume", file=sys.stderr)
         return 130
-    finally:
-        close_stage()
     m = result.manifest
     print(
         f"pulled {m.ref}: {format_bytes(m.size)}, {m.bits_per_weight:.2f} bits/weight; "
