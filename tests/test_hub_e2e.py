@@ -115,7 +115,7 @@ def _reshard(src: Path, dst: Path, n: int = 2) -> Path:
     return dst
 
 
-def test_sharded_repo_keeps_f16_and_reuses_it(hub, tmp_path, tmp_path_factory, capsys):
+def test_sharded_repo_keeps_f16_and_reuses_it(hub, tmp_path, tmp_path_factory, capsys, monkeypatch):
     from hf_models import cached_default_export
 
     folder = _reshard(cached_default_export(tmp_path_factory, "bfloat16"), tmp_path / "sharded")
@@ -133,8 +133,13 @@ def test_sharded_repo_keeps_f16_and_reuses_it(hub, tmp_path, tmp_path_factory, c
     assert shards <= set(q8.source["files"]) and "config.json" in q8.source["files"]
     tokens, text = _greedy(q8.ref)
     assert text.strip()
-    # a later quant starts from the kept F16: no conversion, no download
+    # a later quant, offline, starts from the kept F16: no conversion, no request to the Hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    before = len(hub.log)
     events: list[object] = []
     r2 = hubmod.pull("tester/SmolLM2-sharded", quant="Q4_0", on_progress=events.append)
-    assert r2.downloaded_bytes == 0 and r2.manifest.tag == "q4_0"
+    assert r2.downloaded_bytes == 0 and r2.manifest.tag == "q4_0" and len(hub.log) == before
+    assert r2.manifest.source["revision"] == q8.source["revision"]
     assert "convert" not in [e.stage for e in events if isinstance(e, hubmod.PullStage)]
