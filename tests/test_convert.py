@@ -361,3 +361,13 @@ def test_converter_imports_no_ml_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_output_file_does_not_take_over_another_models_name(model, tmp_path):
+    owned = convert_model(model, "f16")
+    with pytest.raises(ConversionError, match="tiny-llama:f16 is already in the store"):
+        convert_model(model, "f16", tmp_path / "elsewhere.gguf")
+    assert not (tmp_path / "elsewhere.gguf").exists()
+    assert Store().get("tiny-llama:f16").file == owned.manifest.file
+    ext = convert_model(model, "f16", tmp_path / "elsewhere.gguf", name="tiny-llama-copy")
+    assert ext.manifest.ref == "tiny-llama-copy:f16" and not ext.manifest.owned

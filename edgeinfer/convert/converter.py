@@ -356,6 +356,13 @@ def convert_model(
         store_name = normalize_name(name or display)
         tag = outtype
         target = Path(output).expanduser() if output else store.model_path(store_name, tag)
+        if register and output:
+            # An external file must not take over the manifest of another file (which it would orphan).
+            existing = store.find(f"{store_name}:{tag}")
+            if existing is not None and Path(existing.file).resolve() != target.resolve():
+                raise ConversionError(
+                    f"{existing.ref} is already in the store ({existing.file}); pass another --name, or remove it first"
+                )
         total_out = sum(p.nbytes for p in plans)
         total_src = sum(p.entry.n_bytes for p in plans if p.entry is not None)
         ensure_free_space(target.parent, total_out + (64 << 20), "the converted model")
