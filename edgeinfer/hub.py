@@ -512,9 +512,11 @@ def _cached_snapshot(repo: str, revision: str) -> _Snapshot | None:
         for n in names:
             p = Path(dirpath) / n
             rel = p.relative_to(snap_dir).as_posix()
-            blob = Path(os.path.realpath(p))
-            etag = blob.name
-            if not blob.is_file() or not _inside(blob, storage / "blobs") or not _ETAG_RE.match(etag):
+            if not p.is_symlink():  # a copy (no symlink support): its hash name is unknown
+                continue
+            etag = Path(os.readlink(p)).name  # ../../blobs/<etag>, itself maybe a link to a shared store
+            blob = storage / "blobs" / etag
+            if not _ETAG_RE.match(etag) or not blob.is_file() or not _inside(blob, cache_dir()):
                 continue
             size = blob.stat().st_size
             files[rel] = HubFile(rel, size, etag if len(etag) == 40 else None, etag if len(etag) == 64 else None)
@@ -650,7 +652,8 @@ def _ensure_file(
     locks.mkdir(parents=True, exist_ok=True)
     # The same lock file huggingface_hub takes for this blob: one writer at a time, ours or theirs.
     with FileLock(str(locks / f"{f.etag}.lock")):
-        if blob.is_file() and _inside(blob, storage / "blobs"):
+        # inside the cache, not only blobs/: huggingface_hub may link a blob to its shared store
+        if blob.is_file() and _inside(blob, cache_dir()):
             last = [0.0]
 
             def verifying(done: int) -> None:
@@ -762,6 +765,8 @@ def _download(
     base_headers = build_hf_headers(token=token)
     base_headers["Accept-Encoding"] = "identity"  # sizes and ranges are of the bytes on disk
     partial.parent.mkdir(parents=True, exist_ok=True)
+    if partial.is_symlink():  # never write through a link
+        partial.unlink()
     hasher = _Hasher(f)
     have = partial.stat().st_size if partial.exists() else 0
     if have > f.size:
@@ -1242,10 +1247,11 @@ def _manifest_cache_files(m: Any) -> list[tuple[Path, Path]]:
         except HubError:
             continue
         pointer = storage / "snapshots" / commit / Path(*rel.split("/"))
-        if not os.path.lexists(pointer):
+        if not pointer.is_symlink():
             continue
-        blob = Path(os.path.realpath(pointer))
-        if _inside(blob, storage):
+        etag = Path(os.readlink(pointer)).name
+        blob = storage / "blobs" / etag  # the repo's blob entry (maybe a link to a shared store)
+        if _ETAG_RE.match(etag) and os.path.lexists(blob) and _inside(blob, cache_dir()):
             out.append((pointer, blob))
     return out
 
@@ -1276,12 +1282,13 @@ def purge_cache(manifest: Any, store: Any = None) -> int:
         pointer.unlink(missing_ok=True)
         # the blob goes too unless another snapshot of this repo still links to it
         still = any(
-            os.path.realpath(Path(d) / n) == str(blob)
+            os.path.islink(Path(d) / n) and Path(os.readlink(Path(d) / n)).name == blob.name
             for d, _, names in os.walk(storage / "snapshots")
             for n in names
         )
-        if not still and blob.is_file() and str(blob.parent) == os.path.realpath(storage / "blobs"):
-            freed += blob.stat().st_size
+        if not still and os.path.lexists(blob):
+            if not blob.is_symlink():  # a link into huggingface_hub's shared store frees nothing here
+                freed += blob.stat().st_size
             blob.unlink()
     snaps = storage / "snapshots"
     for d, _, _ in sorted(os.walk(snaps), key=lambda t: -len(t[0])):

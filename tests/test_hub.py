@@ -263,6 +263,26 @@ def test_a_damaged_blob_stored_by_huggingface_hub_is_replaced(hub, gguf_repo):
     assert result.manifest.sha256 == hubmod._hash_file(Path(bad), result.plan.files[0]).hexdigest()
 
 
+def test_blob_linked_into_huggingface_hubs_shared_store_is_reused(hub, gguf_repo, tmp_path, monkeypatch):
+    """huggingface_hub may make blobs/<etag> a link into a cache-wide shared store (Xet repos)."""
+    from huggingface_hub import constants
+
+    first = hubmod.pull(f"{REPO}:Q8_0").manifest
+    blob = Path(os.path.realpath(first.file))
+    shared = tmp_path / "hf-cache" / "blobs" / "ab" / "abcdef"
+    shared.parent.mkdir(parents=True)
+    blob.rename(shared)
+    blob.symlink_to(shared)
+    before = len(hub.log)
+    again = hubmod.pull(f"{REPO}:Q8_0")
+    assert again.downloaded_bytes == 0 and blob.is_symlink()
+    assert not [r for r in hub.log[before:] if "/resolve/" in r.path]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hubmod.pull(f"{REPO}:Q8_0").manifest.file == first.file
+    assert hubmod.disk_usage().cache_bytes == first.size
+    assert hubmod.purge_cache(first) == 0 and shared.is_file() and not os.path.lexists(blob)
+
+
 # -- errors from the server --------------------------------------------------------------------------
 
 
