@@ -31,7 +31,12 @@ from .widgets import ChatInput, ChatList, ChatListItem, MessageView, last_code_b
 
 __all__ = ["EdgeInferApp", "LiveStats", "FLUSH_S"]
 
-FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second
+FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second...
+MAX_FLUSH_S = 0.5  # ...and at least twice a second
+# ...but the UI's own CPU while a reply streams stays under this share of one core, so rendering
+# (Markdown layout, compositing: tens of ms per frame on a slow CPU) cannot eat into decoding: the
+# interval between drains stretches to (UI CPU per frame) / UI_CPU_BUDGET.
+UI_CPU_BUDGET = 0.05
 
 
 def _one_line(e: BaseException) -> str:
@@ -128,6 +133,8 @@ class ActiveReply:
     first_token_at: float | None = None
     last_token_at: float | None = None
     last_render: float = 0.0
+    ui_cpu_mark: float | None = None  # main-thread CPU time at the previous drain
+    frame_cpu: float = 0.0  # EMA of the UI's CPU seconds per drain (render included)
     drain_scheduled: bool = False
 
     def own_rate(self) -> float:
@@ -426,12 +433,16 @@ class EdgeInferApp(App[None]):
         active = self.active
         if active is None or message.gen_id != active.gen_id or active.drain_scheduled:
             return
-        wait = FLUSH_S - (time.perf_counter() - active.last_render)
+        wait = self._flush_interval(active) - (time.perf_counter() - active.last_render)
         if wait > 0:  # rendered very recently: let more tokens gather first
             active.drain_scheduled = True
             self.set_timer(wait, self._drain_later)
         else:
             await self._drain(active)
+
+    @staticmethod
+    def _flush_interval(active: ActiveReply) -> float:
+        return min(max(FLUSH_S, active.frame_cpu / UI_CPU_BUDGET), MAX_FLUSH_S)
 
     async def _drain_later(self) -> None:
         active = self.active
@@ -459,6 +470,10 @@ class EdgeInferApp(App[None]):
             merge_spans(active.drafted, active.length + a, active.length + b)
         active.length += len(text)
         active.last_render = time.perf_counter()
+        cpu = time.thread_time()  # the UI thread's CPU since the last drain: what a frame costs
+        if active.ui_cpu_mark is not None:
+            active.frame_cpu = 0.7 * active.frame_cpu + 0.3 * (cpu - active.ui_cpu_mark) if active.frame_cpu else cpu - active.ui_cpu_mark
+        active.ui_cpu_mark = cpu
         if active.view is not None and active.view.is_attached:
             await active.view.append(text, spans)
             gen = active.generation

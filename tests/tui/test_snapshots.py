@@ -1,0 +1,97 @@
+"""Snapshot tests (pytest-textual-snapshot) of the main screens at a fixed size, no cursor blink.
+
+Update after an intended visual change with: pytest tests/tui/test_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+import pytest
+from tui_helpers import wait_for
+
+SIZE = (110, 32)
+
+REPLY = """Here is a function:
+
+```python
+def add(a, b):
+    return a + b
+```
+
+It **adds** two numbers."""
+
+
+@pytest.fixture
+def snap_app(make_app, db_path):
+    from edgeinfer_tui.chat_store import ChatStore
+    from edgeinfer_tui.settings import ChatSettings, SpeculationSettings
+
+    store = ChatStore(db_path)
+    older = store.create_chat(title="Older chat")
+    store.add_message(older.id, "user", "hi")
+    chat = store.create_chat(
+        title="Adding numbers",
+        settings=ChatSettings(speculation=SpeculationSettings(method="lookup", draft_max=8)).to_dict(),
+    )
+    store.add_message(chat.id, "user", "Write a Python function that adds two numbers.")
+    store.add_message(chat.id, "assistant", REPLY, drafted=[(0, 4), (40, 55)])
+    store.close()
+    return make_app()
+
+
+def _before(*keys: str, screen: str | None = None):
+    async def run_before(pilot) -> None:
+        app = pilot.app
+        await wait_for(pilot, lambda: app.chat is not None and "ready" in str(app.chat_screen.query_one("#stats").render()))
+        app.chat_input.cursor_blink = False
+        if keys:
+            await pilot.press(*keys)
+        if screen:
+            await wait_for(pilot, lambda: app.screen.__class__.__name__ == screen)
+            await pilot.pause()
+        for table in app.screen.query("DataTable"):
+            await wait_for(pilot, lambda t=table: t.row_count > 0 and not t.loading, what="table rows")
+        for inp in app.screen.query("Input, TextArea"):
+            inp.cursor_blink = False
+        await pilot.pause()
+
+    return run_before
+
+
+def test_chat_screen(snap_compare, snap_app):
+    assert snap_compare(snap_app, terminal_size=SIZE, run_before=_before())
+
+
+def test_chat_screen_drafted_colours(snap_compare, snap_app):
+    async def run_before(pilot) -> None:
+        await _before()(pilot)
+        pilot.app.action_toggle_drafted()
+        pilot.app.clear_notifications()
+        await pilot.pause()
+
+    assert snap_compare(snap_app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_model_picker(snap_compare, snap_app):
+    assert snap_compare(snap_app, terminal_size=SIZE, run_before=_before("ctrl+o", screen="ModelPickerScreen"))
+
+
+def test_speculation_panel(snap_compare, snap_app):
+    assert snap_compare(snap_app, terminal_size=SIZE, run_before=_before("ctrl+t", screen="SpeculationScreen"))
+
+
+def test_settings_modal(snap_compare, snap_app):
+    assert snap_compare(snap_app, terminal_size=(110, 40), run_before=_before("ctrl+s", screen="SettingsScreen"))
+
+
+def test_manage_ladder(snap_compare, snap_app):
+    async def run_before(pilot) -> None:
+        await _before("ctrl+l", screen="ManageScreen")(pilot)
+        pilot.app.screen.query_one("#manage-tabs").active = "tab-ladder"
+        await wait_for(pilot, lambda: pilot.app.screen.query_one("#ladder-table").row_count == 3)
+        await pilot.pause()
+
+    assert snap_compare(snap_app, terminal_size=(110, 40), run_before=run_before)
+
+
+def test_help_screen(snap_compare, snap_app):
+    assert snap_compare(snap_app, terminal_size=(110, 40), run_before=_before("f1", screen="HelpScreen"))
