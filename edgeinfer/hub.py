@@ -919,6 +919,25 @@ def _model_name(repo: str) -> str:
     return normalize_name(name)
 
 
+def _pick_name(store: Any, repo: str, tags: Sequence[str]) -> str:
+    """The store name for `repo`: its name (`smollm2-360m-instruct`), or `owner-name` when a model
+    from another source already holds one of the refs this pull writes (never clobber it)."""
+    from .errors import StoreError
+    from .store import normalize_name
+
+    base = _model_name(repo)
+    qualified = normalize_name(f"{repo.split('/')[0]}-{base}")
+    for name in (base, qualified):
+        taken = [
+            m for t in tags if (m := store.find(f"{name}:{t}")) is not None and (m.source or {}).get("repo") != repo
+        ]
+        if not taken:
+            return name
+    raise StoreError(
+        f"{qualified}:{tags[-1]} is already in the store from another source; remove it first (edgeinfer rm)"
+    )
+
+
 def _resolve_profile(profile: str | None, quant: str | None) -> tuple[str, Any]:
     """(quant type to make, QuantProfile or None) for a safetensors pull."""
     prof = None
@@ -1099,7 +1118,16 @@ def pull(
         "sha256": {f.path: f.sha256 or "" for f in pl.files},
         "git_sha1": {f.path: f.blob_id for f in pl.files if not f.sha256 and f.blob_id},
     }
-    name = _model_name(snap.repo)
+    if pl.kind == "gguf":
+        tags = [(pl.quant or "latest").lower()]
+    else:
+        try:
+            from .quantize import default_tag
+
+            tags = ["f16", default_tag(pl.quant, prof)]
+        except ImportError:
+            tags = ["f16", pl.quant.lower()]
+    name = _pick_name(store, snap.repo, tags)
     f16_manifest = None
     if pl.kind == "gguf":
         manifest = _register_gguf(store, name, pl, paths, source, on_progress)

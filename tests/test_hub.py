@@ -120,6 +120,14 @@ def test_pull_split_gguf_fetches_and_validates_every_part(hub, gguf_repo):
     assert m.source["files"] == ["Tiny-Q6_K-00001-of-00002.gguf", "Tiny-Q6_K-00002-of-00002.gguf"]
 
 
+def test_same_model_name_from_another_owner_gets_a_qualified_name(hub, gguf_repo, tmp_path):
+    hub.add_repo("other/Tiny-GGUF", {"Tiny-Q4_K_M.gguf": tiny_gguf(tmp_path / "o.gguf", "Q4_K_M", seed=5)})
+    assert hubmod.pull(REPO).manifest.ref == "tiny:q4_k_m"
+    assert hubmod.pull("other/Tiny-GGUF").manifest.ref == "other-tiny:q4_k_m"
+    assert hubmod.pull(REPO).manifest.ref == "tiny:q4_k_m"  # pulling again keeps its own name
+    assert Store().get("tiny:q4_k_m").source["repo"] == REPO
+
+
 def test_unknown_quant_lists_what_the_repo_has(hub, gguf_repo):
     with pytest.raises(ModelNotFoundError, match="no Q5_K_M file.*Q2_K"):
         hubmod.pull(f"{REPO}:Q5_K_M")

