@@ -207,6 +207,8 @@ class PullPlan:
         return None
 
 
+# What `on_progress` receives: the plan first, then DownloadProgress per file, PullStage steps and,
+# for safetensors repos, the converter's ConvertProgress and the quantizer's QuantizeProgress as is.
 PullEvent = DownloadProgress | PullStage | PullPlan
 
 
@@ -1095,6 +1097,10 @@ def pull(
 ) -> PullResult:
     """Pull `owner/name[:QUANT]` and register it in the store; see the module docstring.
 
+    The model is named after the repo (`owner/SmolLM2-360M-Instruct-GGUF` → `smollm2-360m-instruct`),
+    or `owner-name` when that ref already holds a model from another source; the tag is the quant.
+    `on_progress` receives the PullPlan, then DownloadProgress / PullStage events (see PullEvent);
+    `cancel` (threading.Event or a callable) stops between chunks and keeps the partial file.
     Raises ModelNotFoundError (no such repo, revision or quant), AuthenticationError (401/403),
     OfflineError (offline or unreachable and nothing cached, or a download cut off: run again to
     resume), IntegrityError (hash mismatch; the bad file is deleted), DiskSpaceError, Cancelled.
