@@ -429,6 +429,10 @@ def _storage(repo: str) -> Path:
     return cache_dir() / repo_folder_name(repo_id=repo, repo_type="model")
 
 
+class _ServerError(HubError):
+    """A 5xx from the Hub: like huggingface_hub, fall back to the cache when it has the repo."""
+
+
 @contextlib.contextmanager
 def _hub_errors(repo: str, revision: str) -> Iterator[None]:
     """Turn huggingface_hub / httpx errors into edgeinfer's one-line errors."""
@@ -455,7 +459,8 @@ def _hub_errors(repo: str, revision: str) -> Iterator[None]:
         if status in (401, 403):
             raise AuthenticationError(f"access to {repo} denied (HTTP {status}): {login}") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HubError(f"the Hub answered an error for {repo}: {first}") from None
+        cls = _ServerError if isinstance(status, int) and status >= 500 else HubError
+        raise cls(f"the Hub answered an error for {repo}: {first}") from None
 
 
 def _is_network_error(e: BaseException) -> bool:
@@ -538,10 +543,12 @@ def _snapshot(repo: str, revision: str, token: str | None) -> _Snapshot:
     try:
         return _remote_snapshot(repo, revision, token)
     except Exception as e:
-        if not _is_network_error(e):
+        if not (_is_network_error(e) or isinstance(e, _ServerError)):
             raise
         snap = _cached_snapshot(repo, revision)
         if snap is None:
+            if isinstance(e, _ServerError):
+                raise
             raise OfflineError(f"cannot reach {_endpoint()} ({e}) and {repo} is not in the Hugging Face cache") from None
         return snap
 

@@ -17,6 +17,7 @@ Knobs, per file (`repo_id`, `path`), for the failure tests:
   fake_size[(repo, path)] = N  the listings and HEAD report N bytes
   tokens[repo] = "tok"         the repo is gated: 401 GatedRepo without `Authorization: Bearer tok`
   slow[(repo, path)] = s       bodies go out in 64 KiB pieces with s seconds between them
+  down = True                  every API and resolve request answers 503
   bare_info = True             model info lists names only, so clients must read the tree listing
   redirect = True              resolve answers 302 to /_cdn/{sha} as the Hub does for LFS files
 Every request is appended to `log` (method, path, Range header, whether it carried a token, status).
@@ -111,6 +112,7 @@ class HubServer:
         self.slow: dict[tuple[str, str], float] = {}
         self.redirect = False
         self.bare_info = False
+        self.down = False
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -250,6 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
         raw = parts.path
         query = parse_qs(parts.query)
         segs = raw.strip("/").split("/")
+        if self.server_hub.down:
+            return self._error(503, "ServiceUnavailable", "the Hub is down")
         try:
             if segs[:2] == ["api", "models"] and len(segs) >= 4:
                 repo_id = unquote(segs[2]) + "/" + unquote(segs[3])

@@ -389,6 +389,14 @@ def test_unreachable_endpoint_falls_back_to_cache(hub, gguf_repo, monkeypatch):
         hubmod.pull("tester/other-GGUF")
 
 
+def test_hub_down_falls_back_to_cache(hub, gguf_repo):
+    hubmod.pull(f"{REPO}:Q2_K")
+    hub.down = True
+    assert hubmod.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
+    with pytest.raises(HubError, match="503"):
+        hubmod.pull("tester/other-GGUF")
+
+
 # -- plan, disk use, purge ---------------------------------------------------------------------------
 
 
