@@ -109,3 +109,14 @@ def test_ctrl_c_in_a_real_process_then_resume(hub, tmp_path):
     assert not list(blobs.glob("*.incomplete"))
     snapshot = next((tmp_path / "hf-env" / "hub" / "models--tester--Tiny-GGUF" / "snapshots").iterdir())
     assert (snapshot / "Tiny-F16.gguf").resolve().parent == blobs
+
+
+def test_list_shows_the_hub_source_and_rm_purge_cache_deletes_cached_files(hub, tmp_path, capsys):
+    assert main(["pull", f"{REPO}:Q8_0"]) == 0
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert any(li.startswith("tiny:q8_0") and f"hf:{REPO}" in li for li in out.splitlines())
+    blobs = tmp_path / "hf-home" / "hub" / "models--tester--Tiny-GGUF" / "blobs"
+    assert len(list(blobs.iterdir())) == 1
+    assert main(["rm", "tiny:q8_0", "--purge-cache"]) == 0
+    assert not blobs.exists()
