@@ -220,3 +220,13 @@ def test_cancel_inside_a_long_prefill(default_model_path):
         assert len(engine._runtime.cached) < len(prompt)
         # and the engine still works, with what was cached so far reused correctly
         assert engine.generate("Hello", greedy(3)).result().finish_reason in ("length", "eos")
+
+
+def test_close_after_abandoning_a_generation(default_model_path):
+    engine = edgeinfer.load(default_model_path, n_ctx=256)
+    gen = engine.generate("Once upon a time", greedy(50))
+    for ev in gen:
+        break  # the caller walks away mid-stream
+    engine.close()  # must not wait forever for the abandoned generation
+    with pytest.raises(InvalidOptionError, match="closed"):
+        engine.generate("Hi", greedy(2))

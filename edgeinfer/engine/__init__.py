@@ -99,12 +99,15 @@ class Engine:
 
     # -- text ------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self._check_open()
         return self._runtime.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        self._check_open()
         return b"".join(self._runtime.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
 
     def token_text(self, token: int) -> str:
+        self._check_open()
         return self._runtime.token_text(token)
 
     def render_chat(self, messages: Sequence[Message]) -> str:
@@ -115,6 +118,7 @@ class Engine:
 
     def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
         """The prompt tokens of a conversation, rendered with the model's own chat template."""
+        self._check_open()
         rendered = self.render_chat(messages)
         rt = self._runtime
         bos_text = rt.token_text(rt.bos) if rt.bos >= 0 else ""
@@ -228,6 +232,10 @@ class Engine:
         active = self._active
         if active is not None:
             active.cancel()
+            try:
+                active.close()  # a generation abandoned mid-iteration still holds the lock
+            except ValueError:
+                pass  # it is running in another thread and will stop at the cancel
         with self._lock:
             self._closed = True
             for rt in self._drafts.values():

@@ -155,6 +155,10 @@ class LengthPolicy:
         self.fresh = AcceptanceModel(prior=prior)
         self.run = AcceptanceModel(prior=max(prior, 0.8))
         self.in_run = False
+        # Exploration: when the estimates say "don't draft", still try a short draft now and then
+        # so they can recover; the interval doubles after each failed try (overhead O(log n)).
+        self._idle = 0
+        self._explore_after = 8
 
     def model(self) -> AcceptanceModel:
         return self.run if self.in_run else self.fresh
@@ -185,6 +189,11 @@ class LengthPolicy:
                 best_k, best = k, rate
         if best_k and best_k < self.opts.draft_min:
             best_k = self.opts.draft_min if self.opts.draft_min <= limit else 0
+        if best_k == 0 and limit > 0:
+            self._idle += 1
+            if self._idle >= self._explore_after:
+                self._idle = 0
+                return min(2, limit), 1.0
         return best_k, (best if best_k else 1.0)
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
@@ -192,6 +201,10 @@ class LengthPolicy:
             return
         self.model().update(n_drafted, n_accepted)
         self.in_run = n_accepted == n_drafted
+        if n_accepted == 0:
+            self._explore_after = min(self._explore_after * 2, 1024)
+        elif n_accepted == n_drafted:
+            self._explore_after = 8
 
 
 # -- prompt lookup --------------------------------------------------------------------------------
