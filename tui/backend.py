@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import importlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,26 +131,35 @@ def entry_from_manifest(m: Any) -> ModelEntry:
 @dataclass(frozen=True)
 class TaskProgress:
     """Progress of a manage task, whatever library event it came from. `key` names one bar
-    (a file being downloaded, or the whole job)."""
+    (a file being downloaded, or the whole job); `message` is a line of status with no bar."""
 
     key: str
     label: str
     done: float
     total: float | None
+    message: str | None = None
 
 
 def progress_from_event(ev: Any, default_key: str = "task") -> TaskProgress:
-    """Map the library's progress dataclasses (QuantizeProgress, ConvertProgress, download events)
-    onto one bar; unknown shapes degrade to a label."""
-    pairs = (("tensor_index", "n_tensors"), ("index", "count"), ("downloaded", "total"), ("bytes_done", "bytes_total"), ("done", "total"))
-    done = total = None
-    for a, b in pairs:
-        if hasattr(ev, a):
-            done, total = getattr(ev, a), getattr(ev, b, None)
-            break
-    key = str(getattr(ev, "file", None) or getattr(ev, "filename", None) or default_key)
-    label = str(getattr(ev, "tensor_name", None) or getattr(ev, "tensor", None) or getattr(ev, "file", None) or getattr(ev, "filename", None) or "")
-    return TaskProgress(key=key, label=label, done=float(done or 0), total=float(total) if total else None)
+    """Map the library's progress dataclasses onto bars: hub.DownloadProgress (one bar per file),
+    quantize.QuantizeProgress and convert.ConvertProgress (per tensor), evaluate.EvalProgress
+    (per chunk); hub.PullPlan / PullStage and anything else become a status line."""
+    if hasattr(ev, "file") and hasattr(ev, "done") and hasattr(ev, "total"):
+        status = getattr(ev, "status", "")
+        return TaskProgress(key=str(ev.file), label=f"{ev.file} {status}".strip(), done=float(ev.done), total=float(ev.total) or None)
+    if hasattr(ev, "tensor_index") and hasattr(ev, "n_tensors"):
+        return TaskProgress(key=default_key, label=f"{ev.tensor_name} → {ev.type_name}", done=ev.tensor_index, total=ev.n_tensors)
+    if hasattr(ev, "chunk") and hasattr(ev, "n_chunks"):
+        label = f"{getattr(ev, 'model', '')} chunk {ev.chunk}/{ev.n_chunks}"
+        return TaskProgress(key=f"{default_key}-{getattr(ev, 'model', '')}", label=label, done=ev.chunk, total=ev.n_chunks)
+    if hasattr(ev, "index") and hasattr(ev, "count"):
+        return TaskProgress(key=default_key, label=str(getattr(ev, "tensor", "")), done=ev.index, total=ev.count)
+    if hasattr(ev, "total_bytes") and hasattr(ev, "repo"):  # the pull's plan, before downloading
+        size = f"{ev.total_bytes / 1e6:.1f} MB"
+        msg = f"{ev.repo} @ {str(getattr(ev, 'commit', ''))[:10]}: {getattr(ev, 'kind', '')} {getattr(ev, 'quant', '')}, {size} to fetch"
+        return TaskProgress(key=default_key, label="", done=0, total=None, message=msg)
+    message = getattr(ev, "message", None)
+    return TaskProgress(key=default_key, label="", done=0, total=None, message=str(message if message else ev)[:200])
 
 
 class GenerationLike(Protocol):
@@ -183,7 +193,9 @@ class Backend(Protocol):
 
     def features(self) -> dict[str, bool]: ...
 
-    def run_task(self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None]) -> str: ...
+    def run_task(
+        self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel: threading.Event
+    ) -> str: ...
 
 
 class LibraryBackend:
@@ -236,8 +248,11 @@ class LibraryBackend:
                 return fn
         return None
 
-    def run_task(self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None]) -> str:
-        """Run one manage task (blocking, from a worker thread); returns a one-line result."""
+    def run_task(
+        self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel: threading.Event
+    ) -> str:
+        """Run one manage task (blocking, from a worker thread); returns a one-line result.
+        `cancel` stops a pull between chunks (the partial file is kept for a resume)."""
         import edgeinfer
 
         fn = self._task_fn(kind)
@@ -248,13 +263,17 @@ class LibraryBackend:
             on_progress(progress_from_event(ev, kind))
 
         if kind == "pull":
-            result = fn(args["source"], on_progress=progress)
+            result = fn(args["source"], on_progress=progress, cancel=cancel)
         elif kind == "convert":
             result = fn(args["source"], args.get("outtype") or None, on_progress=progress)
         elif kind == "quantize":
             result = fn(args["source"], args.get("qtype") or "Q4_K_M", on_progress=progress)
-        else:
+        else:  # evaluate: against the full-precision model it was derived from; saved in the manifest
             result = fn(args["source"], on_progress=progress)
+            if getattr(result, "kld", None) is not None:
+                return f"evaluate: PPL {result.ppl:.3f}, KLD {result.kld:.4f}, same-top {result.same_top * 100:.1f} %"
+            if getattr(result, "ppl", None) is not None:
+                return f"evaluate: PPL {result.ppl:.3f} (no reference to compare with)"
         manifest = getattr(result, "manifest", None)
         ref = getattr(result, "ref", None) or (manifest.ref if manifest is not None else None)
         return f"{kind}: done{f' → {ref}' if ref else ''}"

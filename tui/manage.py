@@ -3,6 +3,7 @@ and pull / convert / quantize with progress bars, where this version of edgeinfe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -44,6 +45,12 @@ TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
         "Quantize",
         [("source", "Model", "smollm2-135m-instruct:f16"), ("qtype", "Quant type", "Q4_K_M")],
         "k-quants through llama.cpp's quantizer; progress per tensor.",
+    ),
+    "evaluate": (
+        "Evaluate",
+        [("source", "Model", "smollm2-135m-instruct:q4_k_m")],
+        "Perplexity, KLD and same-top % against the full-precision model it was derived from; "
+        "saved in the model's manifest and shown in the quality ladder.",
     ),
 }
 
@@ -110,7 +117,9 @@ class ManageScreen(Screen):
         self.entries: list[ModelEntry] = []
         self.features = self._features()
         self._bars: dict[str, dict[str, ProgressBar]] = defaultdict(dict)
+        self._bar_labels: dict[str, dict[str, Label]] = defaultdict(dict)
         self._last_post: dict[str, float] = {}
+        self._cancel: dict[str, threading.Event] = {}
 
     def _features(self) -> dict[str, bool]:
         try:
@@ -142,7 +151,9 @@ class ManageScreen(Screen):
                             with Horizontal(classes="row"):
                                 yield Label(label)
                                 yield Input(placeholder=placeholder, id=f"{kind}-{arg}")
-                        yield Button(f"Start {title.lower()}", variant="primary", id=f"start-{kind}")
+                        with Horizontal(classes="row"):
+                            yield Button(f"Start {title.lower()}", variant="primary", id=f"start-{kind}")
+                            yield Button("Cancel", id=f"cancel-{kind}", disabled=True)
                         yield Vertical(classes="bars", id=f"{kind}-bars")
                         yield Static("", classes="result", id=f"{kind}-result")
         yield Footer()
@@ -235,6 +246,12 @@ class ManageScreen(Screen):
     @on(Button.Pressed)
     def _start(self, event: Button.Pressed) -> None:
         bid = event.button.id or ""
+        if bid.startswith("cancel-"):
+            kind = bid.removeprefix("cancel-")
+            if kind in self._cancel:
+                self._cancel[kind].set()
+                self.query_one(f"#{kind}-result", Static).update("cancelling…")
+            return
         if not bid.startswith("start-"):
             return
         kind = bid.removeprefix("start-")
@@ -245,21 +262,24 @@ class ManageScreen(Screen):
         event.button.disabled = True
         self.query_one(f"#{kind}-bars", Vertical).remove_children()
         self._bars[kind].clear()
+        self._bar_labels[kind].clear()
         self.query_one(f"#{kind}-result", Static).update("running…")
-        self.run_task(kind, args)
+        self._cancel[kind] = threading.Event()
+        self.query_one(f"#cancel-{kind}", Button).disabled = kind != "pull"  # only a pull stops midway
+        self.run_task(kind, args, self._cancel[kind])
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="task")
-    def run_task(self, kind: str, args: dict[str, str]) -> None:
+    def run_task(self, kind: str, args: dict[str, str], cancel: threading.Event) -> None:
         def on_progress(p: TaskProgress) -> None:
             # at most ~20 updates a second per bar, plus the last one
             now = time.monotonic()
             last = self._last_post.get(p.key, 0.0)
-            if now - last >= 0.05 or (p.total is not None and p.done >= p.total):
+            if p.message or now - last >= 0.05 or (p.total is not None and p.done >= p.total):
                 self._last_post[p.key] = now
                 self.post_message(TaskUpdate(kind, progress=p))
 
         try:
-            result = self.backend.run_task(kind, args, on_progress)
+            result = self.backend.run_task(kind, args, on_progress, cancel)
         except Exception as e:  # noqa: BLE001 - the library's one-line message
             self.post_message(TaskUpdate(kind, error=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
             return
@@ -269,14 +289,22 @@ class ManageScreen(Screen):
         kind = message.kind
         if message.progress is not None:
             p = message.progress
+            if p.message:
+                self.query_one(f"#{kind}-result", Static).update(p.message)
+                return
             bars = self._bars[kind]
             if p.key not in bars:
-                bar = ProgressBar(total=p.total, show_eta=False)
+                bar = ProgressBar(total=p.total, show_eta=kind == "pull")
                 bars[p.key] = bar
-                await self.query_one(f"#{kind}-bars", Vertical).mount(Label(p.key, classes="bar-label"), bar)
+                self._bar_labels[kind][p.key] = label = Label(p.label or p.key, classes="bar-label")
+                await self.query_one(f"#{kind}-bars", Vertical).mount(label, bar)
             bars[p.key].update(total=p.total, progress=p.done)
+            if p.label:
+                self._bar_labels[kind][p.key].update(p.label)
             return
         self.query_one(f"#start-{kind}", Button).disabled = False
+        self.query_one(f"#cancel-{kind}", Button).disabled = True
+        self._cancel.pop(kind, None)
         result = self.query_one(f"#{kind}-result", Static)
         if message.error:
             result.update(Text(f"error: {message.error}", style="bold red"))

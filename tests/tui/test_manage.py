@@ -69,6 +69,55 @@ def test_quantize_task_progress_and_error(make_app, backend):
     run(main())
 
 
+def test_pull_shows_one_bar_per_file(make_app, backend):
+    backend.available["pull"] = True
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await _open_manage(pilot, app)
+            screen.query_one("#manage-tabs").active = "tab-pull"
+            await pilot.pause()
+            screen.query_one("#pull-source").value = "org/repo:Q4_K_M"
+            await pilot.click("#start-pull")
+            await wait_for(pilot, lambda: "done → org-repo:q4_k_m" in str(screen.query_one("#pull-result").render()))
+            bars = list(screen.query("#pull-bars ProgressBar"))
+            assert [(b.progress, b.total) for b in bars] == [(1_000_000, 1_000_000)] * 2
+            labels = [str(lbl.render()) for lbl in screen.query("#pull-bars .bar-label")]
+            assert labels == ["model-00001.gguf downloading", "model-00002.gguf downloading"]
+
+    run(main())
+
+
+def test_progress_events_of_the_library_map_to_bars():
+    """The real progress dataclasses of hub / quantize / convert / evaluate, where this version has them."""
+    import importlib.util
+
+    from edgeinfer_tui.backend import progress_from_event
+
+    if importlib.util.find_spec("edgeinfer.hub"):
+        from edgeinfer.hub import DownloadProgress, PullStage
+
+        p = progress_from_event(DownloadProgress(file="a.gguf", done=5, total=10, rate=1.0, index=2, count=3), "pull")
+        assert (p.key, p.done, p.total, p.message) == ("a.gguf", 5, 10, None)
+        assert progress_from_event(PullStage(stage="convert", message="converting"), "pull").message == "converting"
+    if importlib.util.find_spec("edgeinfer.quantize"):
+        from edgeinfer.quantize import QuantizeProgress
+
+        p = progress_from_event(QuantizeProgress(tensor_index=3, n_tensors=30, tensor_name="blk.0.attn_q.weight", type_name="Q4_K"), "quantize")
+        assert (p.done, p.total, p.label) == (3, 30, "blk.0.attn_q.weight → Q4_K")
+    if importlib.util.find_spec("edgeinfer.convert"):
+        from edgeinfer.convert import ConvertProgress
+
+        p = progress_from_event(ConvertProgress(tensor="token_embd.weight", index=1, count=30, bytes_done=1, bytes_total=9), "convert")
+        assert (p.done, p.total, p.label) == (1, 30, "token_embd.weight")
+    if importlib.util.find_spec("edgeinfer.evaluate"):
+        from edgeinfer.evaluate import EvalProgress
+
+        p = progress_from_event(EvalProgress(model="m:q4", chunk=2, n_chunks=8), "evaluate")
+        assert (p.done, p.total) == (2, 8)
+
+
 def test_missing_features_say_so(make_app, backend):
     backend.available = {"pull": False, "convert": False, "quantize": True, "evaluate": False}
 
@@ -76,7 +125,7 @@ def test_missing_features_say_so(make_app, backend):
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
             screen = await _open_manage(pilot, app)
-            for kind in ("pull", "convert"):
+            for kind in ("pull", "convert", "evaluate"):
                 text = str(screen.query_one(f"#{kind}-unavailable").render())
                 assert "not available in this version" in text
                 assert not screen.query(f"#start-{kind}")

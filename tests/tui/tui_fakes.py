@@ -147,10 +147,16 @@ class FakeBackend:
     def features(self) -> dict[str, bool]:
         return dict(self.available)
 
-    def run_task(self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None]) -> str:
+    def run_task(self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel=None) -> str:
         self.tasks.append((kind, args))
         if args["source"] == "bad":
             raise edgeinfer.ConversionError("no such model folder: bad")
+        if kind == "pull":  # two files, one bar each, and a status line first
+            on_progress(TaskProgress(key="pull", label="", done=0, total=None, message="org/repo @ abc: gguf Q4_K_M, 2.0 MB to fetch"))
+            for f in ("model-00001.gguf", "model-00002.gguf"):
+                for done in (0, 500_000, 1_000_000):
+                    on_progress(TaskProgress(key=f, label=f"{f} downloading", done=done, total=1_000_000))
+            return "pull: done → org-repo:q4_k_m"
         n = 5
         for i in range(1, n + 1):
             on_progress(TaskProgress(key=kind, label=f"blk.{i}", done=i, total=n))
