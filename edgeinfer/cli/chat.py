@@ -27,11 +27,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=chat)
 
 
+def _textual_available() -> bool:
+    try:
+        return importlib.util.find_spec("textual") is not None
+    except (ImportError, ValueError):  # ValueError: a blocked or half-imported module
+        return False
+
+
 def chat(args: argparse.Namespace) -> int:
     import edgeinfer
 
     # The library and the other commands never import textual; this command imports it here only.
-    if importlib.util.find_spec("textual") is None:
+    if not _textual_available():
         raise edgeinfer.EdgeInferError(MISSING_TEXTUAL)
     import edgeinfer_tui
 
