@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
                               "finish_reason": done.finish_reason, "stats": done.stats.to_dict()}))
         else:
             sys.stdout.write("\n")
+            sys.stdout.flush()
             s = done.stats
             line = (f"[{engine.name}: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated, "
                     f"ttft {s.ttft_s:.2f}s, prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s")

@@ -171,10 +171,32 @@ class Engine:
         return drafter
 
     def _speculation_costs(self, prompt: Sequence[int]):
+        """Measured decode times by batch size for this model on this machine: calibrated once
+        and remembered in the store (cache/decode-costs.json), then tracked online."""
+        import json
+
+        from ..fsutil import atomic_write_text
         from .speculation import CostModel
 
-        if self._costs is None:
+        if self._costs is not None:
+            return self._costs
+        o = self.options
+        key = f"{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}|{o.kv_type}|fa{o.flash_attn}"
+        cache = self.store.root / "cache" / "decode-costs.json"
+        try:
+            known = json.loads(cache.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            known = {}
+        if isinstance(known.get(key), dict):
+            self._costs = CostModel.from_dict(known[key])
+        else:
             self._costs = CostModel.calibrate(self._runtime, prompt[-64:])
+            known[key] = self._costs.to_dict()
+            try:
+                with self.store.lock():
+                    atomic_write_text(cache, json.dumps(known, indent=1))
+            except OSError:
+                pass  # a read-only store only costs a re-calibration next time
         return self._costs
 
     def _draft_runtime(self, spec: SpeculationOptions) -> LlamaRuntime:

@@ -160,10 +160,10 @@ class Generation(Iterator[Event]):
             sampler.prime(prompt)
             history = list(prompt)
             pending = [(sampler.sample(-1), False)]
-            t_first = time.perf_counter()
-            stats.ttft_s = t_first - t0
             if drafter is not None:
                 drafter.start(prompt)  # may decode (cost calibration): only after the sample above
+            t_first = time.perf_counter()
+            stats.ttft_s = t_first - t0
 
             while True:
                 # Commit the tokens of the last step, one event each.

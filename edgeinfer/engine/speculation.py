@@ -78,6 +78,13 @@ class CostModel:
             seconds[b] = best
         return cls(seconds)
 
+    def to_dict(self) -> dict[str, float]:
+        return {str(b): t for b, t in sorted(self._t.items())}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> CostModel:
+        return cls({int(b): float(t) for b, t in data.items()})
+
     def time(self, b: int) -> float:
         if b in self._t:
             return self._t[b]
