@@ -229,6 +229,10 @@ class EdgeInferApp(App[None]):
         self._fill_chat_list(chats)
         if chats:
             self.open_chat(chats[0].id)
+            if self.initial_model and self.chat.model != self.initial_model:
+                # `edgeinfer chat MODEL`: the model asked for on the command line wins
+                self.chat = self.store.update_chat(self.chat.id, model=self.initial_model)
+                self._refresh_header()
         else:
             self.new_chat()
         self.chat_input.focus()
@@ -690,9 +694,18 @@ class EdgeInferApp(App[None]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.config))
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Chat actions only on the chat screen (not over a modal or the manage screen), so the
+        footer shows what works where; help works everywhere."""
+        if action in _CHAT_ACTIONS and not isinstance(self.screen, ChatScreen):
+            return False
+        return True
+
     def get_system_commands(self, screen: Screen) -> Any:
         yield from super().get_system_commands(screen)
         for a in ACTIONS:
+            if a.id in _CHAT_ACTIONS and not isinstance(screen, ChatScreen):
+                continue
             yield SystemCommand(a.description if a.description != "Model" else "Pick model", a.help, getattr(self, f"action_{a.id}"))
 
     def on_unmount(self) -> None:
@@ -704,6 +717,9 @@ class EdgeInferApp(App[None]):
                 pass
         if self.store is not None:
             self.store.close()
+
+
+_CHAT_ACTIONS = {a.id for a in ACTIONS} - {"help"}
 
 
 def _memory_store() -> ChatStore:
