@@ -58,16 +58,18 @@ class LiveStats:
     prompt_tokens: int = 0
 
     def line(self, model: str) -> str:
-        parts = [model, f"{self.generated} tokens", f"{self.tok_s:.1f} tok/s"]
-        if self.ttft_s:
-            parts.append(f"ttft {self.ttft_s:.2f} s")
+        """The stats line, most useful first (a narrow terminal cuts the end)."""
+        parts = [f"{self.generated} tokens", f"{self.tok_s:.1f} tok/s"]
         if self.method and self.method != "off":
             if self.acceptance is not None:
-                parts.append(f"{self.method}: {self.acceptance * 100:.0f}% accepted, mean {self.mean_len or 0:.2f}")
+                parts.append(f"{self.method} {self.acceptance * 100:.0f}% accepted, mean {self.mean_len or 0:.1f}")
             else:
                 parts.append(self.method)
+        if self.ttft_s:
+            parts.append(f"ttft {self.ttft_s:.2f} s")
         if self.finish_reason:
             parts.append({"cancelled": "cancelled", "length": "max tokens"}.get(self.finish_reason, "done"))
+        parts.append(model)
         return " · ".join(parts)
 
 
