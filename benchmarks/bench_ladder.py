@@ -12,6 +12,10 @@
 4. Decode speed at batch 1: every model once per round, rounds alternating, best kept, so that load
    from other processes on this shared machine hits all of them alike.
 
+On a shared 2-core machine pass --threads 1: when other processes take a core, ggml's two-thread
+barrier collapses (measured here: 0.5 decode tok/s with 2 threads vs 48 with 1, same model, same minute);
+quality figures do not depend on the thread count (identical to 4 digits in both runs).
+
 Reference figures from llama.cpp's llama-perplexity on this model at ctx 512 (another text):
 Q8_0 KLD ≈ 0.004 / same-top ≈ 96.6 %, Q4_K_M ≈ 0.060 / 87.7 %, Q2_K ≈ 0.40 / 69 %.
 """
