@@ -1,8 +1,10 @@
 """EdgeInferApp: the chat screen, its sidebar of chats, and the actions on them.
 
-Threading: the model is loaded and every reply generated in a thread worker; the worker batches
-tokens (one message per FLUSH_S) and posts them, so the UI never waits on generation and generation
-never waits on the UI. SQLite and widgets are touched from the UI thread only.
+Threading: the model is loaded and every reply generated in a thread worker. The worker appends
+tokens to the reply's buffer and posts one TokensReady message when the buffer was idle; the UI
+drains the buffer in batches, at most every FLUSH_S and stretched so that rendering stays within
+UI_CPU_BUDGET of a core. The UI never waits on generation and generation never waits on the UI.
+SQLite and widgets are touched from the UI thread only.
 """
 
 from __future__ import annotations
