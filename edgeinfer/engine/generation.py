@@ -145,7 +145,9 @@ class Generation(Iterator[Event]):
         try:
             # Reuse the cached prefix of the previous request (multi-turn chat re-sends the history).
             n_keep = _common_prefix(rt.cached, prompt)
-            if n_keep == len(prompt):
+            whole_prompt_cached = n_keep == len(prompt)
+            saved = rt.prompt_logits
+            if whole_prompt_cached:
                 n_keep -= 1  # re-decode the last prompt token to get its logits
             rt.truncate(n_keep)
             stats.cached_tokens = n_keep
@@ -155,6 +157,14 @@ class Generation(Iterator[Event]):
                     if self._cancel.is_set():
                         raise DecodeAborted()
                     rt.decode(rest[s : s + rt.n_batch])
+            # A one-token re-decode rounds differently from the batched prefill on quantized models
+            # (enough to flip a near-tie), so the same request twice would answer differently.
+            # The prompt's last logits row is remembered and restored instead.
+            if whole_prompt_cached and saved is not None and saved[0] == len(prompt):
+                rt.logits_row(-1)[:] = saved[1]
+                rt.prompt_logits = saved  # the truncate above dropped it
+            else:
+                rt.prompt_logits = (len(prompt), rt.logits_row(-1).copy())
             stats.prefill_s = time.perf_counter() - t0
             stats.prompt_tokens = len(prompt)
             sampler.prime(prompt)

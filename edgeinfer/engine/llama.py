@@ -150,6 +150,9 @@ class LlamaRuntime:
             raise
         # Tokens whose keys/values are in the cache, in order (positions 0..len-1).
         self.cached: list[int] = []
+        # (prompt length, logits row after the prompt) of the last request; valid while the
+        # cache still holds that prompt.
+        self.prompt_logits: tuple[int, np.ndarray] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -232,6 +235,8 @@ class LlamaRuntime:
         """Drop every cached position >= n_keep (a rejected draft suffix, a changed prompt)."""
         if n_keep >= len(self.cached):
             return
+        if self.prompt_logits is not None and n_keep < self.prompt_logits[0]:
+            self.prompt_logits = None
         if n_keep <= 0:
             self._ll.llama_memory_clear(self.memory, True)
         elif not self._ll.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
@@ -241,6 +246,7 @@ class LlamaRuntime:
     def clear(self) -> None:
         self._ll.llama_memory_clear(self.memory, True)
         self.cached.clear()
+        self.prompt_logits = None
 
     # -- decoding --------------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], logits_from: int | None = None) -> int:
