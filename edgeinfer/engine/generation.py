@@ -38,8 +38,9 @@ class Drafter(Protocol):
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
         """Up to max_len tokens to follow `history` (prompt + committed output)."""
 
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
-        """Feedback after verification: `history` is the committed sequence now."""
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        """Feedback after verification: `history` is the committed sequence now; verify_s the
+        target's decode and sampling time, draft_s the time spent proposing."""
 
     def close(self) -> None: ...
 
@@ -205,6 +206,7 @@ class Generation(Iterator[Event]):
                     break
                 last = history[-1]
                 drafts: list[int] = []
+                t_propose = time.perf_counter()
                 if drafter is not None:
                     budget = min(opts.max_tokens - len(generated) - 1, room)
                     if budget > 0:
@@ -226,12 +228,13 @@ class Generation(Iterator[Event]):
                     rt.truncate(len(history) + n_ok)
                     if stats.speculation is not None:
                         stats.speculation.record(len(drafts), n_ok)
-                    drafter.observe(history + [t for t, _ in pending[:-1]], len(drafts), n_ok, time.perf_counter() - t_step)
+                    drafter.observe(history + [t for t, _ in pending[:-1]], len(drafts), n_ok,
+                                    time.perf_counter() - t_step, t_step - t_propose)
                 else:
                     rt.decode([last])
                     pending = [(sampler.sample(-1), False)]
                     if drafter is not None:
-                        drafter.observe(history, 0, 0, time.perf_counter() - t_step)
+                        drafter.observe(history, 0, 0, time.perf_counter() - t_step, t_step - t_propose)
                         if stats.speculation is not None:
                             stats.speculation.plain_steps += 1
         except DecodeAborted:

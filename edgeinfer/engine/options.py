@@ -102,7 +102,7 @@ class SpeculationOptions:
     method: str = "off"
     draft_model: str | None = None  # store ref or path, for method="draft"
     self_quant: str = "Q3_K_M"  # quant type of the self-draft copy, for method="self"
-    draft_max: int = 16
+    draft_max: int = 32
     draft_min: int = 0
     p_min: float = 0.5  # draft model: stop drafting when its top token's probability falls below this
     adaptive: bool = True

@@ -166,6 +166,11 @@ class LengthPolicy:
         # so they can recover; the interval doubles after each failed try (overhead O(log n)).
         self._idle = 0
         self._explore_after = 8
+        # Realized cost of drafting steps over the modelled one (two contexts sharing the cores,
+        # cache effects, load from other processes): scales the model so it stays honest.
+        self.correction = 1.0
+        self._chosen: tuple[int, float] = (0, 0.0)
+        self._exploring = False
 
     def model(self) -> AcceptanceModel:
         return self.run if self.in_run else self.fresh
@@ -191,27 +196,42 @@ class LengthPolicy:
         for k in range(1, limit + 1):
             p *= m.prob(k - 1) * (quality if k == 1 else 1.0)
             e += p
-            rate = e / (self.costs.ratio(k + 1) + k * draft_cost)
+            rate = e / (self.correction * (self.costs.ratio(k + 1) + k * draft_cost))
             if rate > best:
                 best_k, best = k, rate
         if best_k and best_k < self.opts.draft_min:
             best_k = self.opts.draft_min if self.opts.draft_min <= limit else 0
+        self._exploring = False
         if best_k == 0 and limit > 0:
             self._idle += 1
             if self._idle >= self._explore_after:
                 self._idle = 0
-                return min(2, limit), 1.0
+                self._exploring = True
+                best_k = min(2, limit)
+        self._chosen = (best_k, draft_cost)
         return best_k, (best if best_k else 1.0)
 
-    def observe(self, n_drafted: int, n_accepted: int) -> None:
+    def observe(self, n_drafted: int, n_accepted: int, verify_s: float = 0.0, draft_s: float = 0.0) -> None:
+        """Feedback from one step: what was drafted and accepted, and what it cost."""
+        self.costs.observe(n_drafted + 1, verify_s)
         if n_drafted <= 0:
             return
+        k, d = self._chosen
+        t1 = self.costs.time(1)
+        if k == n_drafted and t1 > 0 and verify_s > 0:
+            predicted = self.costs.ratio(k + 1) + k * d
+            actual = (verify_s + draft_s) / t1
+            self.correction = min(4.0, max(0.5, 0.8 * self.correction + 0.2 * actual / predicted))
         self.model().update(n_drafted, n_accepted)
         self.in_run = n_accepted == n_drafted
-        if n_accepted == 0:
-            self._explore_after = min(self._explore_after * 2, 1024)
-        elif n_accepted == n_drafted:
-            self._explore_after = 8
+        if self._exploring:
+            # Judge an exploration by what it really bought: tokens per plain-step time,
+            # drafting (and a draft model catching up) included. Unprofitable: wait twice as long.
+            realized = (n_accepted + 1) * t1 / max(verify_s + draft_s, 1e-9)
+            if realized < 1.0 + self.margin:
+                self._explore_after = min(self._explore_after * 2, 1024)
+            else:
+                self._explore_after = 8
 
 
 # -- prompt lookup --------------------------------------------------------------------------------
@@ -279,9 +299,8 @@ class LookupDrafter:
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
         return self.candidate(history, max_len)[0]
 
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
-        self.policy.costs.observe(n_drafted + 1, step_s)
-        self.policy.observe(n_drafted, n_accepted)
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        self.policy.observe(n_drafted, n_accepted, verify_s, draft_s)
 
     def close(self) -> None:
         pass
@@ -375,9 +394,8 @@ class ModelDrafter:
         k, _ = self.candidate(history, max_len)
         return self.draft(history, k)
 
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
-        self.policy.costs.observe(n_drafted + 1, step_s)
-        self.policy.observe(n_drafted, n_accepted)
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        self.policy.observe(n_drafted, n_accepted, verify_s, draft_s)
 
     def close(self) -> None:
         pass  # the runtime belongs to the engine's draft cache
@@ -409,11 +427,11 @@ class AutoDrafter:
                 return self.model.draft(history, k)
         return draft
 
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
         if self._last is not None:
-            self._last.observe(history, n_drafted, n_accepted, step_s)
+            self._last.observe(history, n_drafted, n_accepted, verify_s, draft_s)
         else:
-            self.lookup.policy.costs.observe(1, step_s)
+            self.lookup.policy.observe(0, 0, verify_s, draft_s)
 
     def close(self) -> None:
         pass
@@ -461,8 +479,8 @@ class _Deferred:
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
         return self.inner.propose(history, max_len)
 
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, step_s: float) -> None:
-        self.inner.observe(history, n_drafted, n_accepted, step_s)
+    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
+        self.inner.observe(history, n_drafted, n_accepted, verify_s, draft_s)
 
     def close(self) -> None:
         if self.inner is not None:
