@@ -155,7 +155,8 @@ class LengthPolicy:
     beat a plain step by `margin`.
     """
 
-    def __init__(self, costs: CostModel, opts: SpeculationOptions, margin: float = 0.03, prior: float = 0.6):
+    def __init__(self, costs: CostModel, opts: SpeculationOptions, margin: float = 0.03, prior: float = 0.6,
+                 max_failed_explorations: int | None = None):
         self.costs = costs
         self.opts = opts
         self.margin = margin
@@ -166,6 +167,10 @@ class LengthPolicy:
         # so they can recover; the interval doubles after each failed try (overhead O(log n)).
         self._idle = 0
         self._explore_after = 8
+        # A draft model must first catch up on every token since its last draft, so exploring it
+        # is expensive: give up for this request after a few unprofitable tries.
+        self._max_failed = max_failed_explorations
+        self._failed = 0
         # Realized cost of drafting steps over the modelled one (two contexts sharing the cores,
         # cache effects, load from other processes): scales the model so it stays honest.
         self.correction = 1.0
@@ -204,7 +209,7 @@ class LengthPolicy:
         self._exploring = False
         if best_k == 0 and limit > 0:
             self._idle += 1
-            if self._idle >= self._explore_after:
+            if self._idle >= self._explore_after and (self._max_failed is None or self._failed < self._max_failed):
                 self._idle = 0
                 self._exploring = True
                 best_k = min(2, limit)
@@ -230,8 +235,10 @@ class LengthPolicy:
             realized = (n_accepted + 1) * t1 / max(verify_s + draft_s, 1e-9)
             if realized < 1.0 + self.margin:
                 self._explore_after = min(self._explore_after * 2, 1024)
+                self._failed += 1
             else:
                 self._explore_after = 8
+                self._failed = 0
 
 
 # -- prompt lookup --------------------------------------------------------------------------------
@@ -470,9 +477,11 @@ class _Deferred:
         if spec.method == "lookup":
             self.inner = LookupDrafter(policy)
         elif spec.method in ("draft", "self"):
-            self.inner = ModelDrafter(engine._draft_runtime(spec), policy, spec.p_min, self.method)
+            model_policy = LengthPolicy(costs, spec, max_failed_explorations=2)
+            self.inner = ModelDrafter(engine._draft_runtime(spec), model_policy, spec.p_min, self.method)
         else:  # auto
-            model = ModelDrafter(engine._draft_runtime(spec), LengthPolicy(costs, spec), spec.p_min) if spec.draft_model else None
+            model = (ModelDrafter(engine._draft_runtime(spec), LengthPolicy(costs, spec, max_failed_explorations=2),
+                                  spec.p_min) if spec.draft_model else None)
             self.inner = AutoDrafter(LookupDrafter(policy), model)
         self.inner.start(prompt)
 
