@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["home", "models_dir", "manifests_dir", "profiles_dir", "HOME_ENV"]
+__all__ = ["home", "profiles_dir", "HOME_ENV"]
 
 HOME_ENV = "EDGEINFER_HOME"
 
@@ -21,20 +21,6 @@ def home() -> Path:
         root = Path(platformdirs.user_data_dir("edgeinfer", appauthor=False))
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def models_dir() -> Path:
-    """GGUF files the store owns (converted, quantized, pulled copies)."""
-    d = home() / "models"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def manifests_dir() -> Path:
-    """One JSON manifest per model: manifests/<name>/<tag>.json."""
-    d = home() / "manifests"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def profiles_dir() -> Path:

@@ -297,6 +297,3 @@ class LlamaRuntime:
         if not ptr:
             raise IndexError(f"no logits for row {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.facts.n_vocab,))
-
-    def set_threads(self, n: int) -> None:
-        self._ll.llama_set_n_threads(self.ctx, n, n)
