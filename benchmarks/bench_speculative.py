@@ -8,6 +8,7 @@ ratio to plain measured in the same rounds. Also checks that every speculative r
 same tokens as plain (lossless).
 
     .venv/bin/python benchmarks/bench_speculative.py [--rounds 3] [--tokens 256] [--quants F16,Q8_0]
+        [--rows lookup,auto] [--workloads "code edit"]
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quants", default="F16,Q8_0")
     ap.add_argument("--no-binding", action="store_true", help="skip llama-cpp-python's prompt lookup row")
+    ap.add_argument("--rows", default="", help="comma-separated subset of rows (plain is always run)")
+    ap.add_argument("--workloads", default="", help="comma-separated subset of workloads")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -118,12 +121,19 @@ def main() -> None:
     quants = [q.strip().upper() for q in args.quants.split(",")]
     refs = make_models(store, quants)
     loads = workloads()
+    if args.workloads:
+        keep = {w.strip() for w in args.workloads.split(",")}
+        loads = {k: v for k, v in loads.items() if k in keep}
     rows = {
         "plain": edgeinfer.SpeculationOptions(method="off"),
         "lookup": edgeinfer.SpeculationOptions(method="lookup"),
         "self-draft Q3_K_M": edgeinfer.SpeculationOptions(method="self", self_quant="Q3_K_M"),
         "auto": edgeinfer.SpeculationOptions(method="auto"),
     }
+    if args.rows:
+        keep = {r.strip() for r in args.rows.split(",")} | {"plain"}
+        rows = {k: v for k, v in rows.items() if k in keep}
+        args.no_binding = args.no_binding or "llama-cpp-python prompt lookup" not in keep
     results = []
     for quant in quants:
         engine = edgeinfer.load(refs[quant], n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)

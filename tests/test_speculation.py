@@ -11,7 +11,6 @@ import pytest
 
 import edgeinfer
 from edgeinfer import GenerateOptions, IncompatibleDraftError, SamplingOptions, SpeculationOptions, Store
-from edgeinfer.engine.speculation import NgramIndex
 
 pytestmark = pytest.mark.slow
 
@@ -60,16 +59,6 @@ def greedy(n: int, spec: SpeculationOptions | None = None) -> GenerateOptions:
 def run(engine, messages, opts):
     engine.reset()  # the same (empty) cache for every run: identical batch shapes for the prompt
     return engine.chat(messages, opts).result()
-
-
-def test_ngram_index_prefers_longest_then_most_recent():
-    idx = NgramIndex(n_min=2, n_max=3)
-    idx.extend([1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
-    draft, n = idx.lookup(5)
-    assert (draft, n) == ([4, 7, 1, 2], 2)  # most recent "1 2" continues with 4
-    idx.extend([3])
-    draft, n = idx.lookup(3)
-    assert (draft, n) == ([9, 1, 2], 3)  # "1 2 3" occurred once, followed by 9
 
 
 CASES = [

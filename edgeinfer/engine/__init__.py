@@ -181,7 +181,7 @@ class Engine:
         if self._costs is not None:
             return self._costs
         o = self.options
-        key = f"{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}|{o.kv_type}|fa{o.flash_attn}"
+        key = f"v2|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}|{o.kv_type}|fa{o.flash_attn}"
         cache = self.store.root / "cache" / "decode-costs.json"
         try:
             known = json.loads(cache.read_text(encoding="utf-8"))

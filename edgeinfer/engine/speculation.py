@@ -44,7 +44,8 @@ __all__ = [
     "check_draft_compatible",
 ]
 
-_CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17, 33)
+# Both sides of the tile sizes where the curve jumps; other sizes are interpolated, then learned.
+_CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
 # llama.cpp's own compatibility rule for a draft vocabulary (common/speculative.cpp).
 _VOCAB_MAX_SIZE_DIFFERENCE = 128
 _VOCAB_CHECK_START_TOKEN_ID = 5
@@ -54,61 +55,87 @@ _VOCAB_CHECK_START_TOKEN_ID = 5
 
 
 class CostModel:
-    """Seconds of one target decode of b tokens, interpolated between measured batch sizes."""
+    """Time of one target decode of b tokens: t1 · ratio(b).
+
+    The ratios are the shape of the cost curve relative to a one-token step. It is bumpy (batched
+    kernels tile rows, so on Q8_0 a 4-token batch costs less than a 3-token one), so it is measured
+    on both sides of the usual tile edges once per model and machine, interpolated between, and
+    refined by each verification of a size. t1 follows the machine's current speed from plain steps: other processes come and go,
+    and a curve whose points were measured at different times would tell the policy that batches
+    are cheaper or dearer than they are.
+    """
 
     def __init__(self, seconds: dict[int, float]):
-        self._t = dict(seconds)
+        if not seconds:
+            raise ValueError("a cost model needs at least one measured batch size")
+        self.t1 = seconds.get(1) or min(seconds.values())
+        self._ratio = {b: t / self.t1 for b, t in seconds.items()}
+        self._ratio[1] = 1.0
 
     @classmethod
     def calibrate(cls, rt: LlamaRuntime, sample_tokens: Sequence[int], reps: int = 2) -> CostModel:
-        """Time decodes of several batch sizes right after the prompt, then drop them again."""
+        """Time decodes of each batch size right after the prompt (fastest of `reps`: other load
+        only ever slows a decode down), then drop them again."""
         base = len(rt.cached)
         pool = list(sample_tokens) or [rt.bos if rt.bos >= 0 else 0]
-        seconds: dict[int, float] = {}
-        for b in _CALIBRATION_SIZES:
-            if b > rt.n_batch or base + b >= rt.n_ctx:
-                break
+
+        def timed(b: int) -> float:
             toks = [pool[i % len(pool)] for i in range(b)]
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                rt.decode(toks, logits_from=0)
-                best = min(best, time.perf_counter() - t0)
-                rt.truncate(base)
-            seconds[b] = best
-        return cls(seconds)
+            t0 = time.perf_counter()
+            rt.decode(toks, logits_from=0)
+            dt = time.perf_counter() - t0
+            rt.truncate(base)
+            return dt
+
+        best: dict[int, float] = {}
+        for _ in range(reps):
+            for b in _CALIBRATION_SIZES:
+                if b > rt.n_batch or base + b >= rt.n_ctx:
+                    break
+                best[b] = min(best.get(b, float("inf")), timed(b))
+            best[1] = min(best[1], timed(1))
+        return cls(best)
 
     def to_dict(self) -> dict[str, float]:
-        return {str(b): t for b, t in sorted(self._t.items())}
+        return {str(b): self.t1 * r for b, r in sorted(self._ratio.items())}
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> CostModel:
         return cls({int(b): float(t) for b, t in data.items()})
 
-    def time(self, b: int) -> float:
-        if b in self._t:
-            return self._t[b]
-        sizes = sorted(self._t)
-        if not sizes:
-            return float(b)
+    def ratio(self, b: int) -> float:
+        """Cost of a b-token decode in one-token decodes (interpolated between measured sizes,
+        extrapolated linearly beyond the largest)."""
+        r = self._ratio
+        if b in r:
+            return r[b]
+        sizes = sorted(r)
         if b > sizes[-1]:
             if len(sizes) == 1:
-                return self._t[sizes[-1]] * b / sizes[-1]
+                return r[sizes[-1]] * b / sizes[-1]
             b1, b2 = sizes[-2], sizes[-1]
-            slope = (self._t[b2] - self._t[b1]) / (b2 - b1)
-            return self._t[b2] + slope * (b - b2)
-        lo = max(s for s in sizes if s < b) if any(s < b for s in sizes) else sizes[0]
+            return r[b2] + (r[b2] - r[b1]) / (b2 - b1) * (b - b2)
+        if b < sizes[0]:
+            return r[sizes[0]]
+        lo = max(s for s in sizes if s < b)
         hi = min(s for s in sizes if s > b)
-        w = (b - lo) / (hi - lo) if hi != lo else 0.0
-        return self._t[lo] * (1 - w) + self._t[hi] * w
+        w = (b - lo) / (hi - lo)
+        return r[lo] * (1 - w) + r[hi] * w
 
-    def ratio(self, b: int) -> float:
-        return self.time(b) / self.time(1)
+    def time(self, b: int) -> float:
+        return self.t1 * self.ratio(b)
 
     def observe(self, b: int, seconds: float, weight: float = 0.1) -> None:
-        """Track the machine's current speed (other load comes and goes)."""
-        if b in self._t:
-            self._t[b] = (1 - weight) * self._t[b] + weight * seconds
+        """Learn from one real decode: t1 from plain steps, the ratio of b from batched ones
+        (one outlier — a preempted step — moves either by at most a factor of 1.5)."""
+        if seconds <= 0 or b < 1:
+            return
+        if b == 1:
+            self.t1 = (1 - weight) * self.t1 + weight * min(seconds, 1.5 * self.t1)
+            return
+        old = self.ratio(b)
+        new = min(max(seconds / self.t1, old / 1.5), old * 1.5)
+        self._ratio[b] = (1 - 2 * weight) * old + 2 * weight * new
 
 
 # -- acceptance -----------------------------------------------------------------------------------
@@ -171,10 +198,6 @@ class LengthPolicy:
         # is expensive: give up for this request after a few unprofitable tries.
         self._max_failed = max_failed_explorations
         self._failed = 0
-        # Realized cost of drafting steps over the modelled one (two contexts sharing the cores,
-        # cache effects, load from other processes): scales the model so it stays honest.
-        self.correction = 1.0
-        self._chosen: tuple[int, float] = (0, 0.0)
         self._exploring = False
 
     def model(self) -> AcceptanceModel:
@@ -201,7 +224,7 @@ class LengthPolicy:
         for k in range(1, limit + 1):
             p *= m.prob(k - 1) * (quality if k == 1 else 1.0)
             e += p
-            rate = e / (self.correction * (self.costs.ratio(k + 1) + k * draft_cost))
+            rate = e / (self.costs.ratio(k + 1) + k * draft_cost)
             if rate > best:
                 best_k, best = k, rate
         if best_k and best_k < self.opts.draft_min:
@@ -213,20 +236,14 @@ class LengthPolicy:
                 self._idle = 0
                 self._exploring = True
                 best_k = min(2, limit)
-        self._chosen = (best_k, draft_cost)
         return best_k, (best if best_k else 1.0)
 
     def observe(self, n_drafted: int, n_accepted: int, verify_s: float = 0.0, draft_s: float = 0.0) -> None:
         """Feedback from one step: what was drafted and accepted, and what it cost."""
+        t1 = self.costs.time(1)
         self.costs.observe(n_drafted + 1, verify_s)
         if n_drafted <= 0:
             return
-        k, d = self._chosen
-        t1 = self.costs.time(1)
-        if k == n_drafted and t1 > 0 and verify_s > 0:
-            predicted = self.costs.ratio(k + 1) + k * d
-            actual = (verify_s + draft_s) / t1
-            self.correction = min(4.0, max(0.5, 0.8 * self.correction + 0.2 * actual / predicted))
         self.model().update(n_drafted, n_accepted)
         self.in_run = n_accepted == n_drafted
         if self._exploring:

@@ -1,0 +1,92 @@
+"""The pieces of speculative decoding that are pure logic: the n-gram index, the cost model and
+the draft-length policy (no model needed, so these run in the fast tier)."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgeinfer import SpeculationOptions
+from edgeinfer.engine.speculation import CostModel, LengthPolicy, NgramIndex
+
+# A cost curve shaped like F16 on this kind of machine: the first extra token costs half a step,
+# every further one about a tenth.
+F16_LIKE = {1: 0.030, 2: 0.046, 3: 0.047, 4: 0.054, 5: 0.056, 8: 0.070, 9: 0.062, 16: 0.086, 17: 0.096,
+            32: 0.144, 33: 0.162}
+
+
+def test_ngram_index_prefers_longest_then_most_recent():
+    idx = NgramIndex(n_min=2, n_max=3)
+    idx.extend([1, 2, 3, 9, 1, 2, 4, 7, 1, 2])
+    draft, n = idx.lookup(5)
+    assert (draft, n) == ([4, 7, 1, 2], 2)  # most recent "1 2" continues with 4
+    idx.extend([3])
+    draft, n = idx.lookup(3)
+    assert (draft, n) == ([9, 1, 2], 3)  # "1 2 3" occurred once, followed by 9
+
+
+def test_cost_model_interpolates_between_measured_sizes_and_extrapolates_beyond():
+    costs = CostModel({1: 0.01, 3: 0.02, 5: 0.04})
+    assert costs.ratio(1) == 1.0
+    assert costs.ratio(2) == pytest.approx(1.5)
+    assert costs.ratio(4) == pytest.approx(3.0)
+    assert costs.ratio(7) == pytest.approx(6.0)  # the slope of the last two sizes continues
+    assert CostModel.from_dict(costs.to_dict()).ratio(4) == pytest.approx(3.0)
+
+
+def test_a_slower_machine_scales_the_whole_curve_not_one_point():
+    # Regression: only the sizes actually observed used to follow the machine, so once plain
+    # steps ran 1.5x slower, never-seen batch sizes looked 1.5x cheaper than they were.
+    costs = CostModel(F16_LIKE)
+    shape = {b: costs.ratio(b) for b in range(1, 34)}
+    for _ in range(100):
+        costs.observe(1, 0.045)
+    assert costs.time(1) == pytest.approx(0.045, rel=0.01)
+    for b in range(1, 34):
+        assert costs.ratio(b) == pytest.approx(shape[b])
+    assert costs.time(6) == pytest.approx(0.045 * shape[6], rel=0.01)
+
+
+def test_verifications_teach_the_cost_of_their_size_and_outliers_are_damped():
+    costs = CostModel(F16_LIKE)
+    before = costs.ratio(6)
+    for _ in range(60):
+        costs.observe(6, 0.030 * 2.4)
+    assert costs.ratio(6) == pytest.approx(2.4, rel=0.01)
+    assert costs.ratio(5) == pytest.approx(0.056 / 0.030)  # measured neighbours are untouched
+    assert before != pytest.approx(2.4, rel=0.01)
+    costs.observe(6, 10.0)  # a step preempted by another process
+    assert costs.ratio(6) < 2.4 * 1.5
+
+
+def policy(curve: dict[int, float], **spec) -> LengthPolicy:
+    return LengthPolicy(CostModel(curve), SpeculationOptions(method="lookup", **spec))
+
+
+def test_policy_drafts_long_inside_a_copied_span_and_stops_after_misses():
+    p = policy(F16_LIKE)
+    for _ in range(10):  # every draft accepted: we are copying
+        p.observe(16, 16, 0.096, 0.0)
+    k, rate = p.choose(32)
+    assert k >= 12 and rate > 2.0
+    for _ in range(10):  # every first draft token rejected
+        p.observe(4, 0, 0.054, 0.0)
+    assert p.choose(32)[0] == 0
+
+
+def test_policy_never_drafts_when_verifying_costs_more_than_acceptance_buys():
+    # Verifying even one extra token costs three plain steps: nothing can pay for that.
+    p = policy({1: 0.01, 2: 0.03, 3: 0.045, 9: 0.12, 33: 0.4})
+    for _ in range(10):
+        p.observe(2, 2, 0.045, 0.0)
+    chosen = [p.choose(32)[0] for _ in range(5)]
+    assert chosen == [0] * 5
+
+
+def test_policy_respects_draft_max_and_fixed_length_mode():
+    p = policy(F16_LIKE, draft_max=4)
+    for _ in range(10):
+        p.observe(4, 4, 0.054, 0.0)
+    assert p.choose(32)[0] == 4
+    fixed = policy(F16_LIKE, adaptive=False, draft_max=8)
+    assert fixed.choose(32)[0] == 8
+    assert fixed.choose(3)[0] == 3
