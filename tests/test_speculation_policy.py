@@ -90,3 +90,17 @@ def test_policy_respects_draft_max_and_fixed_length_mode():
     fixed = policy(F16_LIKE, adaptive=False, draft_max=8)
     assert fixed.choose(32)[0] == 8
     assert fixed.choose(3)[0] == 3
+
+
+def test_ngram_index_continues_the_place_whose_context_agrees_longest():
+    # "5 6 7 1 2" was followed by 3 long ago; "1 2" was followed by 8 more recently. The text now
+    # ends in "5 6 7 1 2": the copy is of the first place, so the draft continues with 3.
+    idx = NgramIndex(n_min=2, n_max=3)
+    idx.extend([5, 6, 7, 1, 2, 3, 4, 9, 1, 2, 8, 9, 5, 6, 7, 1, 2])
+    draft, n = idx.lookup(2)
+    assert (draft, n) == ([3, 4], 3)  # "7 1 2" → 3, found via the 3-gram
+    idx2 = NgramIndex(n_min=2, n_max=2)
+    idx2.extend([5, 6, 7, 1, 2, 3, 4, 9, 1, 2, 8, 9, 5, 6, 7, 1, 2])
+    assert idx2.lookup(2) == ([3, 4], 2)  # same answer with bigrams only, by agreement length
+    idx2.extend([0, 0, 1, 2])
+    assert idx2.lookup(2) == ([0, 0], 2)  # no longer context anywhere: the most recent place

@@ -262,13 +262,20 @@ class LengthPolicy:
 
 
 class NgramIndex:
-    """For n in [n_min, n_max], the position right after the most recent earlier occurrence of
-    each n-gram. Updated incrementally per token, so a lookup is O(n_max), not a scan."""
+    """For n in [n_min, n_max], where each n-gram occurred (the positions right after it), updated
+    incrementally per token so a lookup costs O(candidates · context), not a scan of the text.
 
-    def __init__(self, n_min: int = 2, n_max: int = 4):
+    A lookup takes the longest n-gram ending the text that occurred before and, among its last
+    `candidates` occurrences, the one whose preceding tokens agree with the text's for longest
+    (up to `context` tokens; ties go to the most recent): in a file being copied with edits, that
+    is the place being copied, not the latest line that merely starts the same way.
+    """
+
+    def __init__(self, n_min: int = 2, n_max: int = 4, candidates: int = 16, context: int = 64):
         self.n_min, self.n_max = n_min, n_max
+        self.candidates, self.context = candidates, context
         self.tokens: list[int] = []
-        self._maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self._maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(n_min, n_max + 1)}
 
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
@@ -276,14 +283,24 @@ class NgramIndex:
             # The n-grams ending just before t now have a continuation (t at position L).
             for n in range(self.n_min, self.n_max + 1):
                 if L >= n:
-                    self._maps[n][tuple(self.tokens[L - n : L])] = L
+                    self._maps[n].setdefault(tuple(self.tokens[L - n : L]), []).append(L)
             self.tokens.append(t)
 
     def sync(self, history: Sequence[int]) -> None:
         """Bring the index up to `history` (which only ever grows during a generation)."""
-        if len(history) < len(self.tokens) or history[: len(self.tokens)] != self.tokens[: len(self.tokens)]:
-            self.__init__(self.n_min, self.n_max)  # type: ignore[misc]
+        n = len(self.tokens)
+        if len(history) < n or history[:n] != self.tokens:
+            self.tokens = []
+            self._maps = {k: {} for k in self._maps}
         self.extend(history[len(self.tokens) :])
+
+    def _agreement(self, pos: int, n: int) -> int:
+        """How many tokens before `pos` equal those before the end of the text (>= n)."""
+        toks, end = self.tokens, len(self.tokens)
+        m = n
+        while m < self.context and pos - 1 - m >= 0 and toks[pos - 1 - m] == toks[end - 1 - m]:
+            m += 1
+        return m
 
     def lookup(self, max_len: int) -> tuple[list[int], int]:
         """Continuation of the longest n-gram at the end that occurred before; (draft, n)."""
@@ -291,9 +308,15 @@ class NgramIndex:
         for n in range(self.n_max, self.n_min - 1, -1):
             if L < n:
                 continue
-            pos = self._maps[n].get(tuple(self.tokens[L - n :]))
-            if pos is not None and pos < L:
-                return self.tokens[pos : min(pos + max_len, L)], n
+            places = self._maps[n].get(tuple(self.tokens[L - n :]))
+            if not places:
+                continue
+            best, best_m = places[-1], -1
+            for pos in reversed(places[-self.candidates :]):
+                m = self._agreement(pos, n)
+                if m > best_m:
+                    best, best_m = pos, m
+            return self.tokens[best : min(best + max_len, L)], n
         return [], 0
 
 
