@@ -104,3 +104,10 @@ def test_ngram_index_continues_the_place_whose_context_agrees_longest():
     assert idx2.lookup(2) == ([3, 4], 2)  # same answer with bigrams only, by agreement length
     idx2.extend([0, 0, 1, 2])
     assert idx2.lookup(2) == ([0, 0], 2)  # no longer context anywhere: the most recent place
+
+
+def test_a_draft_model_too_slow_to_ever_pay_is_recognized():
+    p = policy(F16_LIKE)
+    assert p.can_pay(0.05)  # a small sibling: a tenth of the target's cost per token
+    assert not p.can_pay(0.7)  # a quantized copy of a small model: its time goes to overheads
+    assert policy(F16_LIKE, adaptive=False).can_pay(0.7)  # fixed k: the user asked for it

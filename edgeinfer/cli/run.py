@@ -158,5 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 sp = s.speculation
                 line += (f", {sp.method}: {sp.accepted}/{sp.drafted} drafts accepted "
                          f"({sp.acceptance_rate:.0%}), mean run {sp.mean_accepted_len:.2f}")
+                if sp.note:
+                    line += f"; {sp.note}"
             print(line + "]", file=sys.stderr)
     return 0

@@ -165,9 +165,11 @@ class Engine:
             return None
         from .speculation import make_drafter
 
-        drafter = make_drafter(self, spec)
+        speculation = SpeculationStats()
+        drafter = make_drafter(self, spec, speculation)
         if drafter is not None:
-            stats.speculation = SpeculationStats(method=drafter.method)
+            speculation.method = drafter.method
+            stats.speculation = speculation
         return drafter
 
     def _speculation_costs(self, prompt: Sequence[int]):

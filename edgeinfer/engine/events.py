@@ -30,6 +30,7 @@ class SpeculationStats:
     per_position_drafted: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
     plain_steps: int = 0  # steps where the policy drafted nothing (no match, or it would not pay)
+    note: str = ""  # why a drafter was switched off, when it was
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,6 +68,7 @@ class SpeculationStats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "steps": self.steps,
             "plain_steps": self.plain_steps,
+            **({"note": self.note} if self.note else {}),
         }
 
 

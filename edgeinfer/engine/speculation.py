@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from .options import LoadOptions, SpeculationOptions
 
 if TYPE_CHECKING:
     from . import Engine
+    from .events import SpeculationStats
 
 __all__ = [
     "CostModel",
@@ -214,6 +216,18 @@ class LengthPolicy:
             e += p
         return e / (self.costs.ratio(k + 1) + k * draft_cost)
 
+    def can_pay(self, draft_cost: float, acceptance: float = 0.9) -> bool:
+        """Could a drafter of this cost (in target steps per drafted token) beat plain decoding
+        even if it were accepted at `acceptance` per position, as a good same-family draft is?"""
+        if not self.opts.adaptive:
+            return True  # a fixed draft length is the user's explicit choice
+        e, p, best = 1.0, 1.0, 0.0
+        for k in range(1, max(self.opts.draft_max, 1) + 1):
+            p *= acceptance
+            e += p
+            best = max(best, e / (self.costs.ratio(k + 1) + k * draft_cost))
+        return best > 1.0 + self.margin
+
     def choose(self, max_len: int, draft_cost: float = 0.0, quality: float = 1.0) -> tuple[int, float]:
         """(k, expected rate). `quality` scales acceptance for this particular draft (e.g. a short
         n-gram match is weaker evidence than a long one)."""
@@ -378,21 +392,71 @@ def check_draft_compatible(target: LlamaRuntime, draft: LlamaRuntime, draft_name
             raise fail(f"token {i} is {draft.token_text(i)!r} in the draft but {target.token_text(i)!r} in the target")
 
 
+# Draft runtime -> its one-token decode time over the target's, measured once.
+_relative_step_cache: weakref.WeakKeyDictionary[LlamaRuntime, float] = weakref.WeakKeyDictionary()
+
+
+def relative_draft_cost(target: LlamaRuntime, draft: LlamaRuntime, prompt: Sequence[int], reps: int = 3) -> float:
+    """One draft-model decode in target decodes, measured once per draft runtime, each model's
+    fastest of `reps` one-token decodes, alternating so both see the same machine. The draft
+    measures after a short prefix (its cache is cleared: it catches up when it first drafts);
+    the target after the prompt (called once its first token is sampled, so the logits it
+    overwrites are no longer needed)."""
+    if draft in _relative_step_cache:
+        return _relative_step_cache[draft]
+    prefix = list(prompt[:8]) or [draft.bos if draft.bos >= 0 else 0]
+    draft.clear()
+    draft.decode(prefix)
+    base = len(target.cached)
+    last = target.cached[-1] if target.cached else prefix[-1]
+    best_t = best_d = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        target.decode([last])
+        best_t = min(best_t, time.perf_counter() - t0)
+        target.truncate(base)
+        t0 = time.perf_counter()
+        draft.decode([prefix[-1]])
+        best_d = min(best_d, time.perf_counter() - t0)
+        draft.truncate(len(prefix))
+    _relative_step_cache[draft] = best_d / best_t
+    return best_d / best_t
+
+
 class ModelDrafter:
     """A second, cheaper model drafts greedily in its own context, kept in step with the target's;
     it stops early when its own top token's probability falls below p_min."""
 
     method = "draft"
 
-    def __init__(self, runtime: LlamaRuntime, policy: LengthPolicy, p_min: float, method: str = "draft"):
+    def __init__(self, runtime: LlamaRuntime, policy: LengthPolicy, p_min: float, method: str = "draft",
+                 target: LlamaRuntime | None = None):
         self.rt = runtime
+        self.target = target
         self.policy = policy
         self.p_min = p_min
         self.method = method
         self.step_s = 0.0  # measured seconds per draft token (EWMA)
+        self.enabled = True
+        self.note = ""
 
     def start(self, prompt: Sequence[int]) -> None:
+        # A draft that cannot pay even at high acceptance is switched off before it costs
+        # anything: no prefill of the prompt, no explorations (a quantized copy of a small
+        # model is often nearly as slow as the model itself: its time goes to overheads).
+        if self.target is not None:
+            self.step_s = relative_draft_cost(self.target, self.rt, prompt) * self.policy.costs.time(1)
+        if self._too_slow():
+            return
         self._sync(prompt)
+
+    def _too_slow(self) -> bool:
+        d = self.draft_cost(self.policy.costs.time(1))
+        if self.enabled and not self.policy.can_pay(d):
+            self.enabled = False
+            self.note = (f"{self.method} off: a drafted token costs {d:.2f} target steps, too slow to pay "
+                         "even at 90 % acceptance")
+        return not self.enabled
 
     def _sync(self, history: Sequence[int]) -> None:
         """Make the draft's cache hold history[:-1] (its last token is decoded when drafting)."""
@@ -410,6 +474,8 @@ class ModelDrafter:
         return self.step_s / target_step_s if target_step_s > 0 and self.step_s > 0 else 0.3
 
     def candidate(self, history: Sequence[int], max_len: int) -> tuple[int, float]:
+        if self._too_slow():
+            return 0, 1.0
         d = self.draft_cost(self.policy.costs.time(1))
         return self.policy.choose(max_len, d)
 
@@ -437,6 +503,9 @@ class ModelDrafter:
         if out:
             per = (time.perf_counter() - t0) / len(out)
             self.step_s = per if self.step_s == 0 else 0.8 * self.step_s + 0.2 * per
+            # What drafting really costs at this context length replaces the first estimate
+            # (measured after a short prefix) for the next requests.
+            _relative_step_cache[self.rt] = self.draft_cost(self.policy.costs.time(1))
         return out
 
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
@@ -489,7 +558,7 @@ class AutoDrafter:
 # -- construction ---------------------------------------------------------------------------------
 
 
-def make_drafter(engine: Engine, spec: SpeculationOptions):
+def make_drafter(engine: Engine, spec: SpeculationOptions, stats: SpeculationStats | None = None):
     """The drafter for a request, or None (with a warning) where speculation cannot work."""
     rt = engine._runtime
     if rt.facts.recurrent:
@@ -498,16 +567,17 @@ def make_drafter(engine: Engine, spec: SpeculationOptions):
             stacklevel=3,
         )
         return None
-    return _Deferred(engine, spec)
+    return _Deferred(engine, spec, stats)
 
 
 class _Deferred:
     """Builds the real drafter at `start()`, after the prompt is in the cache, so the cost
     calibration measures decodes at the real context length (once per engine)."""
 
-    def __init__(self, engine: Engine, spec: SpeculationOptions):
+    def __init__(self, engine: Engine, spec: SpeculationOptions, stats: SpeculationStats | None = None):
         self.engine = engine
         self.spec = spec
+        self.stats = stats
         self.method = {"self": f"self={spec.self_quant}", "draft": "draft"}.get(spec.method, spec.method)
         self.inner = None
 
@@ -520,12 +590,16 @@ class _Deferred:
             self.inner = LookupDrafter(policy)
         elif spec.method in ("draft", "self"):
             model_policy = LengthPolicy(costs, spec, max_failed_explorations=2)
-            self.inner = ModelDrafter(engine._draft_runtime(spec), model_policy, spec.p_min, self.method)
+            self.inner = ModelDrafter(engine._draft_runtime(spec), model_policy, spec.p_min, self.method,
+                                      target=engine._runtime)
         else:  # auto
             model = (ModelDrafter(engine._draft_runtime(spec), LengthPolicy(costs, spec, max_failed_explorations=2),
-                                  spec.p_min) if spec.draft_model else None)
+                                  spec.p_min, target=engine._runtime) if spec.draft_model else None)
             self.inner = AutoDrafter(LookupDrafter(policy), model)
         self.inner.start(prompt)
+        model_drafter = getattr(self.inner, "model", self.inner)
+        if self.stats is not None and isinstance(model_drafter, ModelDrafter) and model_drafter.note:
+            self.stats.note = model_drafter.note
 
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
         return self.inner.propose(history, max_len)
