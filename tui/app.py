@@ -81,7 +81,8 @@ def _snapshot(stats: Any, own_rate: float, finish_reason: str | None = None) -> 
     return LiveStats(
         generated=int(getattr(stats, "generated_tokens", 0) or 0),
         tok_s=rate if rate > 0 else own_rate,
-        method=getattr(spec, "method", None),
+        # A drafter that switched itself off (too slow to pay) says so instead of showing 0 %.
+        method=(f"{spec.method} off" if getattr(spec, "note", "") else getattr(spec, "method", None)),
         acceptance=(spec.acceptance_rate if spec is not None and spec.drafted else None),
         mean_len=(spec.mean_accepted_len if spec is not None and spec.steps else None),
         ttft_s=float(getattr(stats, "ttft_s", 0.0) or 0.0) or None,

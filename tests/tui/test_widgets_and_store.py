@@ -144,3 +144,16 @@ def test_cli_unknown_model_is_one_line_error(edgeinfer_home):
     assert proc.returncode == 1
     assert proc.stderr.startswith("edgeinfer: error: model no-such-model:q4 is not in the store")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_stats_line_says_when_a_drafter_switched_itself_off():
+    from edgeinfer import GenerationStats, SpeculationStats
+    from edgeinfer_tui.app import _snapshot
+
+    stats = GenerationStats(prompt_tokens=12, generated_tokens=11, decode_s=0.5)
+    stats.speculation = SpeculationStats(method="self=Q3_K_M", plain_steps=10,
+                                         note="self=Q3_K_M off: a drafted token costs 0.71 target steps")
+    line = _snapshot(stats, 0.0).line("smollm2")
+    assert line.startswith("11 tokens · 20.0 tok/s · self=Q3_K_M off ·") and "accepted" not in line
+    stats.speculation.note = ""
+    assert "· self=Q3_K_M ·" in _snapshot(stats, 0.0).line("smollm2")
