@@ -111,3 +111,18 @@ def test_a_draft_model_too_slow_to_ever_pay_is_recognized():
     assert p.can_pay(0.05)  # a small sibling: a tenth of the target's cost per token
     assert not p.can_pay(0.7)  # a quantized copy of a small model: its time goes to overheads
     assert policy(F16_LIKE, adaptive=False).can_pay(0.7)  # fixed k: the user asked for it
+
+
+def test_explorations_back_off_and_draft_the_cheapest_short_length():
+    # Q8_0-like: a 4-token batch costs less than a 3-token one (tiles of 4 rows).
+    q8_like = {1: 0.030, 2: 0.060, 3: 0.075, 4: 0.059, 5: 0.079, 8: 0.086, 9: 0.101, 16: 0.138, 17: 0.160,
+               32: 0.229, 33: 0.233}
+    p = policy(q8_like)
+    for _ in range(20):
+        p.observe(3, 0, 0.059, 0.0)
+    chosen = [p.choose(32)[0] for _ in range(8)]
+    assert chosen[:7] == [0] * 7 and chosen[7] == 3  # the 8th idle step explores, with b = 4
+    p.observe(3, 0, 0.059, 0.0)  # the exploration failed: wait twice as long
+    assert [p.choose(32)[0] for _ in range(16)] == [0] * 15 + [3]
+    p.observe(3, 0, 0.059, 0.0)  # failed again: 32
+    assert [p.choose(32)[0] for _ in range(32)] == [0] * 31 + [3]

@@ -51,6 +51,9 @@ _CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
 # llama.cpp's own compatibility rule for a draft vocabulary (common/speculative.cpp).
 _VOCAB_MAX_SIZE_DIFFERENCE = 128
 _VOCAB_CHECK_START_TOKEN_ID = 5
+# Explorations draft at most this many tokens (the length that costs least for what it may buy:
+# on Q8_0 a 4-token batch is cheaper than a 3-token one).
+_EXPLORE_MAX = 4
 
 
 # -- measured costs ---------------------------------------------------------------------------------
@@ -236,6 +239,7 @@ class LengthPolicy:
             return (limit if limit >= max(self.opts.draft_min, 1) else 0), 1.0
         m = self.model()
         best_k, best = 0, 1.0 + self.margin
+        least_bad_k, least_bad = 1, 0.0  # what an exploration drafts: the best short length
         e, p = 1.0, 1.0
         for k in range(1, limit + 1):
             p *= m.prob(k - 1) * (quality if k == 1 else 1.0)
@@ -243,6 +247,8 @@ class LengthPolicy:
             rate = e / (self.costs.ratio(k + 1) + k * draft_cost)
             if rate > best:
                 best_k, best = k, rate
+            if k <= _EXPLORE_MAX and rate > least_bad:
+                least_bad_k, least_bad = k, rate
         if best_k and best_k < self.opts.draft_min:
             best_k = self.opts.draft_min if self.opts.draft_min <= limit else 0
         self._exploring = False
@@ -251,7 +257,7 @@ class LengthPolicy:
             if self._idle >= self._explore_after and (self._max_failed is None or self._failed < self._max_failed):
                 self._idle = 0
                 self._exploring = True
-                best_k = min(2, limit)
+                best_k = least_bad_k
         return best_k, (best if best_k else 1.0)
 
     def observe(self, n_drafted: int, n_accepted: int, verify_s: float = 0.0, draft_s: float = 0.0) -> None:
