@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,12 @@ import pytest
 # These machines are shared: OpenMP threads that spin while waiting make llama.cpp 10-20x slower
 # when another process holds a core. Passive waiting changes no result, only scheduling.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# A shell without job control starts background commands with SIGINT ignored, and Python keeps an
+# inherited SIG_IGN (so do the processes the tests start): the Ctrl-C tests would then test nothing
+# but that. Restore Python's own handler; children get the default disposition at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
