@@ -586,6 +586,7 @@ class _Deferred:
         self.stats = stats
         self.method = {"self": f"self={spec.self_quant}", "draft": "draft"}.get(spec.method, spec.method)
         self.inner = None
+        self._model: ModelDrafter | None = None
 
     def start(self, prompt: Sequence[int]) -> None:
         engine, spec = self.engine, self.spec
@@ -604,14 +605,20 @@ class _Deferred:
             self.inner = AutoDrafter(LookupDrafter(policy), model)
         self.inner.start(prompt)
         model_drafter = getattr(self.inner, "model", self.inner)
-        if self.stats is not None and isinstance(model_drafter, ModelDrafter) and model_drafter.note:
-            self.stats.note = model_drafter.note
+        self._model = model_drafter if isinstance(model_drafter, ModelDrafter) else None
+        self._report()
+
+    def _report(self) -> None:
+        """Say in the stats when the draft model switched itself off (at start or later)."""
+        if self._model is not None and self._model.note and self.stats is not None:
+            self.stats.note = self._model.note
 
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
         return self.inner.propose(history, max_len)
 
     def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
         self.inner.observe(history, n_drafted, n_accepted, verify_s, draft_s)
+        self._report()
 
     def close(self) -> None:
         if self.inner is not None:
