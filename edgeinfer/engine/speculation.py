@@ -65,9 +65,9 @@ class CostModel:
     The ratios are the shape of the cost curve relative to a one-token step. It is bumpy (batched
     kernels tile rows, so on Q8_0 a 4-token batch costs less than a 3-token one), so it is measured
     on both sides of the usual tile edges once per model and machine, interpolated between, and
-    refined by each verification of a size. t1 follows the machine's current speed from plain steps: other processes come and go,
-    and a curve whose points were measured at different times would tell the policy that batches
-    are cheaper or dearer than they are.
+    refined by each verification of a size. t1 follows the machine's current speed from plain
+    steps: other processes come and go, and a curve whose points were measured at different times
+    would tell the policy that batches are cheaper or dearer than they are.
     """
 
     def __init__(self, seconds: dict[int, float]):
@@ -480,7 +480,7 @@ class ModelDrafter:
         return self.step_s / target_step_s if target_step_s > 0 and self.step_s > 0 else 0.3
 
     def candidate(self, history: Sequence[int], max_len: int) -> tuple[int, float]:
-        if self._too_slow():
+        if not self.enabled:
             return 0, 1.0
         d = self.draft_cost(self.policy.costs.time(1))
         return self.policy.choose(max_len, d)
@@ -512,6 +512,7 @@ class ModelDrafter:
             # What drafting really costs at this context length replaces the first estimate
             # (measured after a short prefix) for the next requests.
             _relative_step_cache[self.rt] = self.draft_cost(self.policy.costs.time(1))
+            self._too_slow()
         return out
 
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
