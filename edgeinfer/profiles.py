@@ -26,7 +26,7 @@ from typing import Any
 
 from . import paths
 from .errors import InvalidOptionError
-from .quantize import QUANT_TYPES, TENSOR_TYPES
+from .quant_types import QUANT_TYPES, TENSOR_TYPES
 
 __all__ = ["QuantProfile", "ProfileError", "load_profiles", "get_profile", "parse_profile", "KV_CACHE_TYPES"]
 
