@@ -2,15 +2,61 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
+import platformdirs
 import pytest
 
 # These machines are shared: OpenMP threads that spin while waiting make llama.cpp 10-20x slower
 # when another process holds a core. Passive waiting changes no result, only scheduling.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The user's real state must never be touched by a test. Remember what it looks like now, point
+# every platform default (and so every child process) at a sandbox, and fail any test after which
+# the real directories changed (e.g. a child started by a long-lived server with the old environment).
+_REAL_STATE_DIRS = (
+    Path(platformdirs.user_data_dir("edgeinfer", appauthor=False)),
+    Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"),
+)
+
+
+def _fingerprint(root: Path) -> frozenset[tuple[str, int, int]] | None:
+    if not root.exists():
+        return None
+    entries = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            try:
+                st = p.lstat()
+            except OSError:
+                continue
+            entries.add((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return frozenset(entries)
+
+
+_REAL_STATE = {d: _fingerprint(d) for d in _REAL_STATE_DIRS}
+_SANDBOX = Path(tempfile.mkdtemp(prefix="edgeinfer-test-session-"))
+atexit.register(shutil.rmtree, _SANDBOX, ignore_errors=True)
+os.environ["XDG_DATA_HOME"] = str(_SANDBOX / "xdg-data")
+os.environ["HF_HOME"] = str(_SANDBOX / "hf-home")
+os.environ["EDGEINFER_HOME"] = str(_SANDBOX / "edgeinfer-home")  # fixtures override per test
+
+
+@pytest.fixture(autouse=True)
+def _real_state_untouched():
+    """Fails the test that changed the user's real edgeinfer data dir or Hugging Face cache."""
+    yield
+    for d, before in _REAL_STATE.items():
+        if _fingerprint(d) != before:
+            _REAL_STATE[d] = _fingerprint(d)  # report it once, for the test that did it
+            pytest.fail(f"this test touched the real user directory {d}", pytrace=False)
+
 
 # A shell without job control starts background commands with SIGINT ignored, and Python keeps an
 # inherited SIG_IGN (so do the processes the tests start): the Ctrl-C tests would then test nothing
@@ -46,3 +92,12 @@ def default_engine(default_model_path: Path):
     engine = edgeinfer.load(default_model_path, n_ctx=2048, flash_attn=False)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def qwen_pair() -> tuple[Path, Path]:
+    """(target, draft): the real Qwen2.5-Coder-1.5B/0.5B-Instruct Q4_K_M files, fetched once into a
+    cache outside any EDGEINFER_HOME by tests/real_models.py. For tests marked `real` (and slow)."""
+    from real_models import qwen_pair as fetch
+
+    return fetch()
