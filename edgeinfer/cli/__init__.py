@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import pkgutil
 import sys
@@ -35,12 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(verbosity: int, debug: bool) -> None:
+    """The library logs through `logging` and stays quiet by default; -v shows its diagnostics,
+    -vv (or --debug) also llama.cpp's own log lines (logger `edgeinfer.llama_cpp`, DEBUG level)."""
+    level = logging.DEBUG if verbosity >= 2 or debug else logging.INFO if verbosity == 1 else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    root = logging.getLogger("edgeinfer")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ..errors import EdgeInferError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False)) or bool(os.environ.get("EDGEINFER_DEBUG"))
+    _configure_logging(int(getattr(args, "verbose", 0) or 0), debug)
     try:
         code = args.func(args)
         return int(code or 0)

@@ -14,6 +14,8 @@ def common_options() -> argparse.ArgumentParser:
     """Flags every command accepts, before or after the command name."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="show edgeinfer's diagnostics on stderr (-vv: also llama.cpp's log lines)")
     return p
 
 
