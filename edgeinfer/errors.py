@@ -6,6 +6,7 @@ __all__ = [
     "EdgeInferError",
     "ModelNotFoundError",
     "InvalidModelError",
+    "ChatTemplateError",
     "InvalidOptionError",
     "ContextLengthError",
     "StoreError",
@@ -32,6 +33,10 @@ class ModelNotFoundError(EdgeInferError, FileNotFoundError):
 
 class InvalidModelError(EdgeInferError, ValueError):
     """A file that is not a well-formed GGUF (never handed to llama.cpp) or that llama.cpp refused."""
+
+
+class ChatTemplateError(InvalidModelError):
+    """A model's chat template that fails to render (an error, or past its time or size limit)."""
 
 
 class InvalidOptionError(EdgeInferError, ValueError):

@@ -2,8 +2,10 @@
 
 llama.cpp's GGUF parser has had memory-safety bugs on crafted files, so every file is parsed here
 first by a bounds-checked reader: magic, version, counts, every length against the bytes that are
-left, tensor types, shapes, and that every tensor's data lies inside the file without overlap.
-A failing file raises InvalidModelError with one line naming the problem.
+left (and against a limit for its kind) before anything is copied, tensor types, shapes, and that
+the tensors' data lie inside the file back to back, as llama.cpp expects. A failing file raises
+InvalidModelError with one line naming the problem. What llama.cpp asserts on beyond the file's
+structure (hyper-parameters, vocabulary, tensor roles) is checked by `edgeinfer.validate`.
 
 The reader walks the header once with struct and skips large arrays (the vocabulary) without
 building Python objects for them, so validating a model costs milliseconds, not the seconds
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import mmap
 import struct
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from .errors import InvalidModelError, ModelNotFoundError
@@ -30,6 +35,16 @@ _MAX_DIMS = 4
 _MAX_ARRAY_NESTING = 2
 # Arrays longer than this are summarized (type and length) unless the caller asks for them.
 _SMALL_ARRAY = 256
+# Longest strings accepted, checked before any byte is copied: a lying length must not make the
+# reader allocate what the file claims. Real keys are < 100 bytes, chat templates < 200 KB.
+_MAX_KEY = 4096
+_MAX_STRING = 1 << 20
+_MAX_TOKEN = 1 << 16
+_MAX_TENSOR_NAME = 63  # GGML_MAX_NAME - 1
+# The vocabulary: llama.cpp asserts that no two of its entries have the same text.
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+_U64 = struct.Struct("<Q")
 
 _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.UINT8: "<B",
@@ -48,10 +63,12 @@ _SCALAR_FORMATS: dict[int, str] = {
 
 @dataclass(frozen=True)
 class ArraySummary:
-    """A large metadata array that was skipped: its element type and length."""
+    """A large metadata array that was skipped: its element type and length (and, for the
+    vocabulary, the first two indices whose texts are equal)."""
 
     element_type: str
     length: int
+    duplicate: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,67 +145,127 @@ class GGUFInfo:
 
 
 class _Cursor:
-    """Bounds-checked little-endian reader over a bytes-like buffer."""
+    """Bounds-checked little-endian reader over an mmap (or bytes).
 
-    def __init__(self, buf: memoryview | bytes, path: Path):
+    It never takes a memoryview of the mapping (a slice that outlives the mapping made closing it
+    fail) and never copies bytes before their claimed length has been checked against what is
+    left and against the limit for that kind of string.
+    """
+
+    def __init__(self, buf: mmap.mmap | bytes, path: Path):
         self.buf = buf
+        self.size = len(buf)
         self.pos = 0
         self.path = path
 
     def fail(self, problem: str) -> InvalidModelError:
         return InvalidModelError(f"{self.path.name}: not a valid GGUF file: {problem}")
 
-    def take(self, n: int, what: str) -> memoryview | bytes:
-        if n < 0 or self.pos + n > len(self.buf):
+    def need(self, n: int, what: str) -> int:
+        """Check that n more bytes exist; return the current position and step over them."""
+        if n < 0 or n > self.size - self.pos:
             raise self.fail(f"truncated while reading {what} at byte {self.pos}")
-        out = self.buf[self.pos : self.pos + n]
+        start = self.pos
         self.pos += n
-        return out
+        return start
 
     def unpack(self, fmt: str, what: str) -> Any:
-        size = struct.calcsize(fmt)
-        return struct.unpack(fmt, self.take(size, what))[0]
+        at = self.need(struct.calcsize(fmt), what)
+        return struct.unpack_from(fmt, self.buf, at)[0]
 
-    def string(self, what: str) -> str:
+    def raw_string(self, what: str, limit: int) -> bytes:
         n = self.unpack("<Q", f"{what} length")
-        raw = self.take(n, what)
+        if n > limit:
+            raise self.fail(f"{what} claims {n} bytes, more than the {limit} allowed")
+        at = self.need(n, what)
+        return self.buf[at : at + n]
+
+    def string(self, what: str, limit: int = _MAX_STRING) -> str:
+        raw = self.raw_string(what, limit)
         try:
-            return bytes(raw).decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8") from None
 
-    def skip_string(self, what: str) -> None:
-        n = self.unpack("<Q", f"{what} length")
-        self.take(n, what)
-
-    def value(self, vtype: int, key: str, keep_arrays: bool, depth: int = 0) -> Any:
+    def value(self, vtype: int, key: str, keep_arrays: bool) -> Any:
         if vtype in _SCALAR_FORMATS:
-            return self.unpack(_SCALAR_FORMATS[vtype], key)
+            return self.unpack(_SCALAR_FORMATS[vtype], repr(key))
         if vtype == GGUFValueType.STRING:
-            return self.string(key)
+            return self.string(repr(key))
         if vtype == GGUFValueType.ARRAY:
-            if depth >= _MAX_ARRAY_NESTING:
-                raise self.fail(f"array nesting too deep in {key!r}")
-            etype = self.unpack("<I", f"{key} element type")
-            length = self.unpack("<Q", f"{key} array length")
-            if length > len(self.buf) - self.pos:  # every element takes at least one byte
-                raise self.fail(f"array {key!r} claims {length} elements, more than the file holds")
-            if etype in _SCALAR_FORMATS:
-                size = struct.calcsize(_SCALAR_FORMATS[etype])
-                raw = self.take(size * length, key)
-                if keep_arrays or length <= _SMALL_ARRAY:
-                    return [v[0] for v in struct.iter_unpack(_SCALAR_FORMATS[etype], raw)]
-                return ArraySummary(GGUFValueType(etype).name, length)
-            if etype == GGUFValueType.STRING:
-                if keep_arrays or length <= _SMALL_ARRAY:
-                    return [self.string(key) for _ in range(length)]
-                for _ in range(length):
-                    self.skip_string(key)
-                return ArraySummary("STRING", length)
-            if etype == GGUFValueType.ARRAY:
-                return [self.value(etype, key, keep_arrays, depth + 1) for _ in range(length)]
-            raise self.fail(f"unknown array element type {etype} in {key!r}")
+            return self.array(key, keep_arrays)
         raise self.fail(f"unknown value type {vtype} for {key!r}")
+
+    def array(self, key: str, keep_arrays: bool) -> Any:
+        etype = self.unpack("<I", f"{key!r} element type")
+        length = self.unpack("<Q", f"{key!r} array length")
+        smallest = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS.get(etype, "<B"))
+        if length * smallest > self.size - self.pos:
+            raise self.fail(f"array {key!r} claims {length} elements, more than the file holds")
+        keep = keep_arrays or length <= _SMALL_ARRAY
+        if etype in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[etype]
+            at = self.need(struct.calcsize(fmt) * length, repr(key))
+            if not keep:
+                return ArraySummary(GGUFValueType(etype).name, length)
+            return [v[0] for v in struct.iter_unpack(fmt, self.buf[at : self.pos])]
+        if etype == GGUFValueType.STRING:
+            if keep:
+                return [self.string(f"element {i} of {key!r}") for i in range(length)]
+            if key == TOKENS_KEY:
+                return ArraySummary("STRING", length, self.first_duplicate(key, length))
+            self.walk_strings(key, length, _MAX_STRING)
+            return ArraySummary("STRING", length)
+        if etype == GGUFValueType.ARRAY:
+            raise self.fail(f"array {key!r} holds arrays (llama.cpp reads no nested arrays)")
+        raise self.fail(f"unknown array element type {etype} in {key!r}")
+
+    def walk_strings(self, key: str, length: int, limit: int, texts: Callable[[int, bytes], None] | None = None) -> None:
+        """Step over `length` strings of an array (the hot loop of a vocabulary: kept tight),
+        handing each one's bytes to `texts` when given (an empty one as llama.cpp names it)."""
+        buf, size, pos = self.buf, self.size, self.pos
+        read_length = _U64.unpack_from
+        for i in range(length):
+            if size - pos < 8:
+                self.pos = pos
+                raise self.fail(f"truncated while reading element {i} of {key!r} at byte {pos}")
+            (n,) = read_length(buf, pos)
+            pos += 8
+            if n > limit or n > size - pos:
+                self.pos = pos
+                what = f"more than the {limit} allowed" if n > limit else "past the end of the file"
+                raise self.fail(f"element {i} of {key!r} claims {n} bytes, {what}")
+            if texts is not None:
+                texts(i, buf[pos : pos + n] if n else f"[EMPTY_{i}]".encode())
+            pos += n
+        self.pos = pos
+
+    def first_duplicate(self, key: str, length: int) -> tuple[int, int] | None:
+        """Walk a vocabulary and find two entries with the same text, as llama.cpp sees them (it
+        maps an empty token i to "[EMPTY_i]"). Keeps one 8-byte hash per token, not the texts."""
+        start = self.pos
+        hashes = array("q")
+        self.walk_strings(key, length, _MAX_TOKEN, lambda _i, text: hashes.append(hash(text)))
+        ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))
+        equal = ordered[1:] == ordered[:-1]
+        if not equal.any():
+            return None
+        colliding = set(ordered[1:][equal].tolist())
+        del hashes, ordered, equal
+        # Equal hashes: compare the texts themselves (a second walk, only in this rare case).
+        end, self.pos = self.pos, start
+        first_seen: dict[bytes, int] = {}
+        found: list[tuple[int, int]] = []
+
+        def compare(i: int, text: bytes) -> None:
+            if not found and hash(text) in colliding:
+                if text in first_seen:
+                    found.append((first_seen[text], i))
+                first_seen.setdefault(text, i)
+
+        self.walk_strings(key, length, _MAX_TOKEN, compare)
+        self.pos = end
+        return found[0] if found else None
 
 
 def read_gguf(path: str | Path, *, keep_arrays: bool = False) -> GGUFInfo:
@@ -205,44 +282,45 @@ def read_gguf(path: str | Path, *, keep_arrays: bool = False) -> GGUFInfo:
         if f.read(4) != GGUF_MAGIC:
             raise InvalidModelError(f"{path.name}: not a GGUF file (bad magic)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                return _parse(view, path, file_size, keep_arrays)
-            finally:
-                view.release()
+            return _parse(mm, path, file_size, keep_arrays)
 
 
-def _parse(view: memoryview, path: Path, file_size: int, keep_arrays: bool) -> GGUFInfo:
-    cur = _Cursor(view, path)
-    cur.take(4, "magic")
+def _parse(buf: mmap.mmap | bytes, path: Path, file_size: int, keep_arrays: bool) -> GGUFInfo:
+    cur = _Cursor(buf, path)
+    cur.need(4, "magic")
     version = cur.unpack("<I", "version")
     if version not in _SUPPORTED_VERSIONS:
         raise cur.fail(f"unsupported GGUF version {version}")
     n_tensors = cur.unpack("<Q", "tensor count")
     n_kv = cur.unpack("<Q", "metadata count")
-    # Cheap plausibility bounds before any loop: a key-value pair takes at least 12 bytes,
-    # a tensor description at least 24.
-    if n_kv * 12 > file_size or n_tensors * 24 > file_size:
+    # Cheap plausibility bounds before any loop: a key-value pair takes at least 13 bytes,
+    # a tensor description at least 33.
+    if n_kv * 13 > file_size or n_tensors * 33 > file_size:
         raise cur.fail(f"header claims {n_kv} metadata entries and {n_tensors} tensors, more than the file holds")
 
     metadata: dict[str, Any] = {}
+    alignment_type = None
     for _ in range(n_kv):
-        key = cur.string("metadata key")
+        key = cur.string("metadata key", _MAX_KEY)
+        if not key:
+            raise cur.fail("empty metadata key")
         if key in metadata:
             raise cur.fail(f"duplicate metadata key {key!r}")
         vtype = cur.unpack("<I", f"type of {key!r}")
         metadata[key] = cur.value(vtype, key, keep_arrays)
+        if key == "general.alignment":
+            alignment_type = vtype
 
     alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
+    if alignment_type not in (None, GGUFValueType.UINT32) or alignment <= 0 or alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment {alignment!r} is not a power of two stored as UINT32")
     if not isinstance(metadata.get("general.architecture"), str):
         raise cur.fail("general.architecture is missing")
 
     raw_tensors = []
     names: set[str] = set()
     for _ in range(n_tensors):
-        name = cur.string("tensor name")
+        name = cur.string("tensor name", _MAX_TENSOR_NAME)
         if name in names:
             raise cur.fail(f"duplicate tensor {name!r}")
         names.add(name)
@@ -256,6 +334,7 @@ def _parse(view: memoryview, path: Path, file_size: int, keep_arrays: bool) -> G
 
     data_start = -(-cur.pos // alignment) * alignment
     tensors: list[TensorInfo] = []
+    expected = 0  # llama.cpp wants the tensors back to back, in header order, each padded
     for name, shape, type_id, offset in raw_tensors:
         try:
             qtype = GGMLQuantizationType(type_id)
@@ -272,20 +351,15 @@ def _parse(view: memoryview, path: Path, file_size: int, keep_arrays: bool) -> G
             if n_elements > file_size * 64:  # no type packs more than 64 weights per byte
                 raise cur.fail(f"tensor {name!r} shape {shape} is larger than the file")
         n_bytes = n_elements // block_size * type_size
-        if offset % alignment:
-            raise cur.fail(f"tensor {name!r} data offset {offset} is not aligned to {alignment}")
+        if offset != expected:
+            raise cur.fail(f"tensor {name!r} data offset {offset} is not where the previous tensor ends ({expected})")
         start = data_start + offset
         if start + n_bytes > file_size:
             raise cur.fail(
                 f"tensor {name!r} data ends at byte {start + n_bytes}, past the end of the file ({file_size} bytes)"
                 " — the file is truncated or corrupt"
             )
+        expected += -(-n_bytes // alignment) * alignment
         tensors.append(TensorInfo(name, shape, qtype.name, type_id, start, n_elements, n_bytes))
-
-    previous_end, previous_name = data_start, None
-    for t in sorted(tensors, key=lambda t: t.offset):
-        if t.offset < previous_end:
-            raise cur.fail(f"tensor {t.name!r} overlaps {previous_name!r}")
-        previous_end, previous_name = t.offset + t.n_bytes, t.name
 
     return GGUFInfo(path=path, version=version, file_size=file_size, metadata=metadata, tensors=tuple(tensors))

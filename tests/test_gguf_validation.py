@@ -80,7 +80,7 @@ def test_truncated_inside_header(tmp_path, default_model_path):
         head = f.read(200_000)  # cuts through the vocabulary array
     p = tmp_path / "header-cut.gguf"
     p.write_bytes(head)
-    with pytest.raises(InvalidModelError, match="truncated"):
+    with pytest.raises(InvalidModelError, match="truncated|more than the file holds"):
         read_gguf(p)
 
 
@@ -89,7 +89,7 @@ def test_tensor_offset_past_end(tmp_path):
     data = bytearray(p.read_bytes())
     struct.pack_into("<Q", data, _offset_field(data), 1 << 30)
     p.write_bytes(bytes(data))
-    with pytest.raises(InvalidModelError, match="past the end of the file"):
+    with pytest.raises(InvalidModelError, match="offset 1073741824 is not where the previous tensor ends"):
         read_gguf(p)
 
 
@@ -102,7 +102,7 @@ def test_overlapping_tensors(tmp_path):
     # point NAME's data at the other tensor's data
     struct.pack_into("<Q", data, _offset_field(data), struct.unpack_from("<Q", data, _offset_field(data))[0] + other.offset - mine.offset)
     p.write_bytes(bytes(data))
-    with pytest.raises(InvalidModelError, match="overlaps|past the end"):
+    with pytest.raises(InvalidModelError, match="is not where the previous tensor ends"):
         read_gguf(p)
 
 
@@ -123,7 +123,7 @@ def test_unknown_version(tmp_path):
 def test_huge_string_length(tmp_path):
     p = tmp_path / "string.gguf"
     p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**40) + b"x" * 64)
-    with pytest.raises(InvalidModelError, match="truncated"):
+    with pytest.raises(InvalidModelError, match="claims 1099511627776 bytes, more than the 4096 allowed"):
         read_gguf(p)
 
 
@@ -134,3 +134,56 @@ def test_unknown_tensor_type(tmp_path):
     p.write_bytes(bytes(data))
     with pytest.raises(InvalidModelError, match="unknown type 999"):
         read_gguf(p)
+
+
+def test_non_utf8_string_is_a_clean_error(tmp_path):
+    """Used to end in BufferError: a memoryview slice outlived the mmap it came from."""
+    p = _tiny_gguf(tmp_path / "latin1.gguf")
+    data = bytearray(p.read_bytes())
+    at = data.index(b"general.architecture")
+    data[at] = 0xFF  # the first byte of a key is no longer UTF-8
+    p.write_bytes(bytes(data))
+    with pytest.raises(InvalidModelError, match="not UTF-8") as info:
+        read_gguf(p)
+    assert "\n" not in str(info.value)
+    read_gguf(_tiny_gguf(tmp_path / "again.gguf"))  # and nothing is left mapped or locked
+
+
+def test_lying_string_length_copies_nothing(tmp_path):
+    """A string that claims most of a large file is refused before a byte is copied."""
+    p = _tiny_gguf(tmp_path / "liar.gguf")
+    data = bytearray(p.read_bytes())
+    at = data.index(b"general.architecture") - 8  # the key's length field
+    data += bytes(64 << 20)  # 64 MiB the lie can point into
+    struct.pack_into("<Q", data, at, 60 << 20)
+    p.write_bytes(bytes(data))
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidModelError, match="more than the 4096 allowed"):
+            read_gguf(p)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_nested_arrays_are_refused(tmp_path):
+    p = tmp_path / "nested.gguf"
+    key = b"x.nested"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 4, 0)
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body + b"\0" * 64)
+    with pytest.raises(InvalidModelError, match="holds arrays"):
+        read_gguf(p)
+
+
+def test_long_tensor_name_is_refused(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "long.gguf"), "llama")
+    w.add_tensor("t" * 64, np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InvalidModelError, match="tensor name claims 64 bytes"):
+        read_gguf(tmp_path / "long.gguf")
