@@ -1,11 +1,24 @@
-"""Conversion speed and peak memory on a synthetic ~1.2B-parameter llama checkpoint in bf16.
+"""Conversion speed and peak memory on a synthetic ~1.2B-parameter llama checkpoint in bf16, FP8 or AWQ.
 
 The checkpoint (Llama-3.2-1B dimensions: hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192,
 vocab 128256, tied embeddings; random bf16 weights, the default model's tokenizer padded to the
 vocab) is written to a temp dir and deleted afterwards. Each conversion runs in its own child
 process that reports its own peak RSS (ru_maxrss) and the RSS it had before converting (imports).
 
+With --source fp8 (E4M3, 128x128 block scales) or awq (4-bit GEMM, groups of 128), the bf16
+checkpoint is quantized tensor by tensor with the tests' independent packers (tests/quant_checkpoints.py)
+into a second checkpoint (embeddings stay bf16), which is what gets converted; MB/s counts its bytes.
+
     .venv/bin/python benchmarks/bench_convert.py [--keep DIR] [--outtypes f16,q8_0] [--layers 16]
+        [--source bf16|fp8|awq]
+
+--direct-quality instead measures what `--outtype auto` saves: a small random llama (dims multiples
+of 256, the default model's vocabulary) quantized as AWQ (4-bit, asymmetric, groups of 128) is
+converted (a) straight into Q4_1 blocks and (b) dequantized to F16 and re-quantized by llama.cpp to
+Q4_1 and Q4_K_M (embeddings Q8_0 everywhere, as auto writes them); `eval` compares each with the
+dequantized F16 (KLD, same-top on the eval text).
+
+    .venv/bin/python benchmarks/bench_convert.py --direct-quality [--hidden 1024] [--layers 4]
 """
 
 from __future__ import annotations
@@ -98,6 +111,89 @@ def write_synthetic_llama(folder: Path, layers: int, seed: int = 0) -> tuple[int
     return params, largest
 
 
+def quantize_checkpoint(src: Path, dst: Path, fmt: str) -> int:
+    """Quantize every decoder linear layer of `src` (written above) into `dst`, one tensor in memory at a
+    time (data to a side file, then header + data); returns the largest stored tensor's bytes."""
+    from quant_checkpoints import LINEAR, _config, _layer
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name != "config.json":
+            shutil.copy(p, dst / p.name)
+    raw = open(src / "model.safetensors", "rb")
+    n = int.from_bytes(raw.read(8), "little")
+    header = json.loads(raw.read(n))
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    out_header: dict = {"__metadata__": {"format": "pt"}}
+    offset, largest = 0, 0
+    rng = np.random.default_rng(1)
+    side = dst / "data.tmp"
+    with open(side, "wb") as f:
+        for name, spec in header.items():
+            b, e = spec["data_offsets"]
+            raw.seek(data_start + b)
+            bits = np.frombuffer(raw.read(e - b), np.uint16)
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and module.split(".", 3)[-1] in LINEAR:
+                w = (bits.astype(np.uint32) << 16).view(np.float32).reshape(spec["shape"])
+                parts, _ = _layer(name, w, "fp8-block" if fmt == "fp8" else fmt, {}, rng)
+                items = [(f"{module}.{k}", code, np.ascontiguousarray(a)) for k, (code, a) in parts.items()]
+            else:
+                items = [(name, "BF16", bits.reshape(spec["shape"]))]
+            for tname, code, a in items:
+                blob = a.tobytes()
+                out_header[tname] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(blob)]}
+                f.write(blob)
+                offset += len(blob)
+                largest = max(largest, len(blob))
+    raw.close()
+    hj = json.dumps(out_header).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(dst / "model.safetensors", "wb") as out, open(side, "rb") as f:
+        out.write(len(hj).to_bytes(8, "little") + hj)
+        shutil.copyfileobj(f, out, 64 << 20)
+    side.unlink()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = _config("fp8-block" if fmt == "fp8" else fmt, {})
+    (dst / "config.json").write_text(json.dumps(config))
+    return largest
+
+
+def direct_quality(hidden: int, layers: int, threads: int) -> None:
+    """Direct Q4_1 vs dequantize -> requantize, each evaluated against the dequantized F16."""
+    os.environ["EDGEINFER_HOME"] = tempfile.mkdtemp(prefix="bench-direct-home-")
+    from hf_models import make_random_hf_model
+    from quant_checkpoints import quantize_folder
+
+    from edgeinfer.cli._common import print_table
+    from edgeinfer.convert import convert_model
+    from edgeinfer.evaluate import evaluate_many
+    from edgeinfer.quantize import quantize_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-direct-"))
+    try:
+        src = make_random_hf_model(tmp / "float", "llama", hidden=hidden, layers=layers, heads=hidden // 64,
+                                   kv_heads=hidden // 256, intermediate=3 * hidden, seed=11)
+        quantize_folder(src, tmp / "awq", "awq", group=128)
+        ref = convert_model(tmp / "awq", "f16", name="direct-bench").manifest.ref
+        direct = convert_model(tmp / "awq", "auto", name="direct-bench")
+        worst = max(d.max_error for d in direct.direct)
+        refs = {f"auto: direct {direct.direct[0].qtype} (max |err| {worst:.2g})": direct.manifest.ref}
+        for q in ("Q4_1", "Q4_K_M"):
+            r = quantize_model(ref, q, output_type="Q8_0", embedding_type="Q8_0", tag=f"requant-{q.lower()}")
+            refs[f"dequantize -> {q}"] = r.manifest.ref
+        results = evaluate_many(list(refs.values()), ref, ctx=512, n_threads=threads, save=False)
+        rows = [[label, f"{r.kld:.5f} ± {r.kld_stderr:.5f}", f"{r.same_top * 100:.2f}", f"{r.ppl_ratio:.4f}"]
+                for label, r in zip(refs, results)]
+        print(f"random llama hidden {hidden}, {layers} layers, AWQ 4-bit g128 asymmetric; reference: its dequantized F16; "
+              f"{results[0].positions} positions of the eval text at ctx 512")
+        print_table(rows, ["path", "KLD vs dequantized", "same-top %", "PPL ratio"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(os.environ["EDGEINFER_HOME"], ignore_errors=True)
+
+
 def run_child(src: Path, outtype: str, out: Path) -> dict:
     env = dict(os.environ, EDGEINFER_HOME=str(out.parent / "home"))
     proc = subprocess.run([sys.executable, "-c", CHILD, str(src), outtype, str(out)], env=env,
@@ -112,7 +208,15 @@ def main() -> int:
     ap.add_argument("--outtypes", default="f16,q8_0")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--keep", type=Path, help="build the checkpoint here and keep it")
+    ap.add_argument("--source", choices=["bf16", "fp8", "awq"], default="bf16",
+                    help="checkpoint format to convert (fp8/awq: quantized from the synthetic bf16 one)")
+    ap.add_argument("--direct-quality", action="store_true", help="measure --outtype auto's direct path instead")
+    ap.add_argument("--hidden", type=int, default=1024, help="--direct-quality: hidden size (a multiple of 256)")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.direct_quality:
+        direct_quality(args.hidden, args.layers if args.layers != 16 else 4, args.threads)
+        return 0
     from edgeinfer.cli._common import print_table
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.keep.parent if args.keep else None))
@@ -124,6 +228,15 @@ def main() -> int:
         size = (src / "model.safetensors").stat().st_size
         print(f"synthetic llama: {params / 1e9:.2f}B parameters, {size / 1e9:.2f} GB bf16, largest tensor "
               f"{largest / 1e6:.0f} MB (token_embd), written in {time.perf_counter() - t:.0f}s", flush=True)
+        if args.source != "bf16":
+            t = time.perf_counter()
+            qsrc = tmp / f"synthetic-llama-1b-{args.source}"
+            quantize_checkpoint(src, qsrc, args.source)
+            if not args.keep:
+                shutil.rmtree(src)
+            src = qsrc
+            print(f"{args.source} checkpoint: {(src / 'model.safetensors').stat().st_size / 1e9:.2f} GB, "
+                  f"quantized in {time.perf_counter() - t:.0f}s", flush=True)
         rows = []
         for outtype in args.outtypes.split(","):
             out = tmp / f"out-{outtype}.gguf"

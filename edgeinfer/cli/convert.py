@@ -23,9 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", metavar="SOURCE", help="a local model folder, or a Hub repo id like org/name")
     p.add_argument(
         "--outtype",
-        choices=["f32", "f16", "bf16", "q8_0"],
+        choices=["f32", "f16", "bf16", "q8_0", "auto"],  # edgeinfer.convert.OUTTYPE_CHOICES (a test keeps them equal)
         default=None,
-        help="tensor type of the output (default: bf16 for a bf16 checkpoint, else f16)",
+        help="tensor type of the output (default: bf16 for a bf16 checkpoint, else f16). Quantized checkpoints "
+        "(FP8, AWQ, GPTQ, compressed-tensors) are dequantized exactly; 'auto' writes their 4-bit layers straight "
+        "into Q4_1/Q4_0 blocks (8-bit symmetric ones into Q8_0) without re-quantizing, the rest as Q8_0",
     )
     p.add_argument("-o", "--output", metavar="FILE", help="write the GGUF here instead of into the store")
     p.add_argument("--name", help="store name (default: from the folder or repo name)")
@@ -81,6 +83,11 @@ def run_convert(args: argparse.Namespace) -> int:
     bar.close()
     for w in caught:
         print(f"edgeinfer: warning: {w.message}", file=sys.stderr)
+    if result.direct:
+        worst = max(result.direct, key=lambda d: d.max_error)
+        kinds = ", ".join(sorted({d.qtype for d in result.direct}))
+        print(f"{len(result.direct)} {result.quantization} layers written directly as {kinds}; max |error| vs the "
+              f"dequantized checkpoint {worst.max_error:.3g} ({worst.name})", file=sys.stderr)
     m = result.manifest
     where = f"{m.ref} ({result.path})" if m is not None and m.owned else str(result.path)
     print(

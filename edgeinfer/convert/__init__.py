@@ -5,19 +5,32 @@
 
 Architectures live in `edgeinfer.convert.arch` (one small module each); the tokenizer in
 `tokenizer` (byte-level BPE tokenizer.json, SentencePiece tokenizer.model); the bounds-checked
-safetensors reader in `safetensors`.
+safetensors reader in `safetensors`; quantized checkpoints (FP8, AWQ, GPTQ, compressed-tensors) in
+`quantized`.
 """
 
 from __future__ import annotations
 
 from .arch import supported_architectures
-from .converter import OUTTYPES, ConvertProgress, ConvertResult, NonFiniteWeightWarning, convert_model
+from .converter import (
+    OUTTYPE_CHOICES,
+    OUTTYPES,
+    ConvertProgress,
+    ConvertResult,
+    DirectTensor,
+    NonFiniteWeightWarning,
+    convert_model,
+)
+from .quantized import SUPPORTED_METHODS as SUPPORTED_QUANTIZATIONS
 
 __all__ = [
     "convert_model",
     "ConvertProgress",
     "ConvertResult",
+    "DirectTensor",
     "NonFiniteWeightWarning",
     "OUTTYPES",
+    "OUTTYPE_CHOICES",
+    "SUPPORTED_QUANTIZATIONS",
     "supported_architectures",
 ]

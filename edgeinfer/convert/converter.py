@@ -4,11 +4,16 @@ Everything is checked before the first byte is written (config, tokenizer, every
 presence and shape). The GGUF header and tensor table are written first; then each tensor is read
 from the memory map in row blocks, converted, written and its source pages dropped, so peak memory
 is a few row blocks, not the model. The file appears under its final name only when complete.
+
+Quantized checkpoints (FP8, AWQ, GPTQ, compressed-tensors; see `quantized`) are dequantized row
+block by row block; with outtype "auto" the 4-bit (and 8-bit symmetric) layers whose groups a GGUF
+block type holds as they are go straight into Q4_1/Q4_0/Q8_0 blocks, without a second rounding.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -32,15 +37,20 @@ from ..fsutil import atomic_path, ensure_free_space
 from ..gguf_file import read_gguf
 from ..store import ModelManifest, Store, normalize_name
 from .arch import Architecture, HParams, TensorSpec, architecture_for
-from .safetensors import Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
+from .quantized import QuantizedTensor, QuantScheme, scheme_for
+from .safetensors import FLOAT_DTYPES, Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
 from .tokenizer import load_vocab
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "convert_model",
     "ConvertProgress",
     "ConvertResult",
+    "DirectTensor",
     "NonFiniteWeightWarning",
     "OUTTYPES",
+    "OUTTYPE_CHOICES",
 ]
 
 OUTTYPES: dict[str, tuple[QT, LlamaFileType]] = {
@@ -49,6 +59,11 @@ OUTTYPES: dict[str, tuple[QT, LlamaFileType]] = {
     "bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16),
     "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
+# "auto": quantized layers straight into the GGUF block type that holds them (see module doc), every
+# other matrix Q8_0, vectors F32.
+OUTTYPE_CHOICES: tuple[str, ...] = (*OUTTYPES, "auto")
+_FILE_TYPES = {QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
+               QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1}
 _CHUNK_BYTES = 16 << 20  # float32 bytes per row block
 _IN_FLIGHT = 3  # row blocks converted ahead of the writer
 
@@ -69,6 +84,15 @@ class ConvertProgress:
 
 
 @dataclass(frozen=True)
+class DirectTensor:
+    """A layer written from the checkpoint's integers straight into a GGUF block type."""
+
+    name: str  # GGUF tensor name
+    qtype: str  # "Q4_1", "Q4_0" or "Q8_0"
+    max_error: float  # max |GGUF value - dequantized checkpoint value| (f16 rounding of d and m)
+
+
+@dataclass(frozen=True)
 class ConvertResult:
     path: Path
     manifest: ModelManifest | None
@@ -79,6 +103,8 @@ class ConvertResult:
     output_bytes: int
     seconds: float
     warnings: tuple[str, ...] = field(default=())
+    quantization: str | None = None  # the checkpoint's quant_method (awq, gptq, fp8, ...), None for float
+    direct: tuple[DirectTensor, ...] = field(default=())  # outtype "auto": layers written without requantizing
 
 
 @dataclass
@@ -93,6 +119,14 @@ class _Plan:
     entry: TensorEntry | None = None
     data: np.ndarray | None = None  # computed tensors (rope_freqs)
     permute_heads: int = 0
+    quant: QuantizedTensor | None = None  # a quantized checkpoint's layer (instead of source/entry)
+    direct: bool = False  # qtype's blocks are packed from quant's integers as they are
+
+    @property
+    def source_bytes(self) -> int:
+        if self.quant is not None:
+            return self.quant.source_bytes
+        return self.entry.n_bytes if self.entry is not None else 0
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -154,13 +188,21 @@ class _TensorStream:
         self.nbytes = plan.nbytes
         self._pool = pool
         self._on_nonfinite = on_nonfinite
+        self.max_error = 0.0  # direct blocks: max |GGUF value - dequantized value| so far
 
-    def _convert(self, src: np.ndarray, r0: int, r1: int, align: int) -> tuple[np.ndarray, float, float]:
+    def _convert(self, src: np.ndarray | None, r0: int, r1: int, align: int) -> tuple[np.ndarray, float, float]:
         p = self.plan
-        assert p.source is not None and p.entry is not None
-        x = _to_f32(src[r0:r1], p.entry.dtype)
-        stored_row = src.shape[1] * src.itemsize
-        p.source.release(p.entry.begin + r0 * stored_row, p.entry.begin + r1 * stored_row)
+        if p.quant is not None and p.direct:
+            blocks = p.quant.direct_rows(p.qtype, r0, r1)
+            out = _permute_rows(blocks.data, (r1 - r0) // align) if p.permute_heads else blocks.data
+            return out, -blocks.max_error, blocks.max_error  # NaN scales show up as a NaN error
+        if p.quant is not None:
+            x = p.quant.rows(r0, r1)
+        else:
+            assert p.source is not None and p.entry is not None and src is not None
+            x = _to_f32(src[r0:r1], p.entry.dtype)
+            stored_row = src.shape[1] * src.itemsize
+            p.source.release(p.entry.begin + r0 * stored_row, p.entry.begin + r1 * stored_row)
         if p.permute_heads:
             x = _permute_rows(x, (r1 - r0) // align)
         # Two SIMD reductions instead of isfinite's temporary: min/max propagate NaN and Inf.
@@ -168,7 +210,10 @@ class _TensorStream:
         return _encode(x, p.qtype), lo, hi
 
     def _check(self, lo: float, hi: float) -> None:
-        name = self.plan.entry.name if self.plan.entry is not None else self.plan.name
+        p = self.plan
+        if p.direct:
+            self.max_error = max(self.max_error, hi)  # direct blocks report (-error, error)
+        name = p.quant.name if p.quant is not None else p.entry.name if p.entry is not None else p.name
         if not (math.isfinite(lo) and math.isfinite(hi)):
             self._on_nonfinite(f"tensor {name} has NaN or Inf values")
         elif self.plan.qtype == QT.F16 and max(-lo, hi) > 65504.0:
@@ -179,12 +224,18 @@ class _TensorStream:
         if p.data is not None:
             yield p.data
             return
-        assert p.source is not None and p.entry is not None
-        src = p.source.array(p.entry.name)
-        rows = src.shape[0] if src.ndim else 1
-        src = src.reshape(rows, -1)
-        align = rows // p.permute_heads if p.permute_heads else 1  # whole heads per block
-        step = max(align, (_CHUNK_BYTES // max(src.shape[1] * 4, 1)) // align * align)
+        src: np.ndarray | None = None
+        if p.quant is not None:
+            rows, cols = p.quant.shape
+            align = math.lcm(rows // p.permute_heads if p.permute_heads else 1, p.quant.row_align)
+        else:
+            assert p.source is not None and p.entry is not None
+            src = p.source.array(p.entry.name)
+            rows = src.shape[0] if src.ndim else 1
+            src = src.reshape(rows, -1)
+            cols = src.shape[1]
+            align = rows // p.permute_heads if p.permute_heads else 1  # whole heads per block
+        step = max(align, (_CHUNK_BYTES // max(cols * 4, 1)) // align * align)
         pending: deque[Future[tuple[np.ndarray, float, float]]] = deque()
         try:
             for r0 in range(0, rows, step):
@@ -202,6 +253,8 @@ class _TensorStream:
                 f.cancel()
             wait(pending)  # no worker may still read the map when it is closed
             del src
+            if p.quant is not None:
+                p.quant.release()
 
     def tofile(self, fp: Any) -> None:
         written = 0
@@ -258,10 +311,22 @@ def _readme_license(folder: Path) -> str | None:
     return lic.group(1).strip() if lic else None
 
 
-def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT) -> list[_Plan]:
+def _auto_type(shape: tuple[int, ...], quant: QuantizedTensor | None) -> tuple[QT, bool]:
+    """outtype "auto": (type, written directly from the checkpoint's integers)."""
+    if quant is not None and (direct := quant.direct_type()) is not None:
+        return direct, True
+    if len(shape) < 2:
+        return QT.F32, False
+    return (QT.Q8_0, False) if shape[-1] % gguf.GGML_QUANT_SIZES[QT.Q8_0][0] == 0 else (QT.F16, False)
+
+
+def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT | None,
+                  scheme: QuantScheme | None = None) -> list[_Plan]:
+    """One plan per GGUF tensor; `outtype` None means "auto"."""
     specs: dict[str, TensorSpec] = arch.tensor_specs(hp)
     name_map = gguf.get_tensor_name_map(arch.gguf_arch, hp.layers)
-    present = set(ckpt.names)
+    quantized, consumed = scheme.tensors(ckpt) if scheme is not None else ({}, set())
+    present = {n for n in ckpt.names if n not in consumed} | set(quantized)
     unexpected = sorted(n for n in present if n not in specs and not arch.skip_tensor(n, hp))
     if unexpected:
         more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
@@ -274,18 +339,25 @@ def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT
     for hf_name, spec in specs.items():
         if hf_name not in present or arch.skip_tensor(hf_name, hp):
             continue
-        entry = ckpt.entry(hf_name)
-        if entry.shape != spec.shape:
+        quant = quantized.get(hf_name)
+        entry = ckpt.entry(hf_name) if quant is None else None
+        if entry is not None and entry.dtype not in FLOAT_DTYPES:
+            how = f"; {scheme.method} does not quantize this tensor" if scheme is not None else \
+                " (and config.json has no quantization_config)"
+            raise ConversionError(f"tensor {hf_name} has dtype {entry.dtype}; only F32, F16 and BF16 weights are supported{how}")
+        shape = quant.shape if quant is not None else entry.shape  # type: ignore[union-attr]
+        if shape != spec.shape:
             raise ConversionError(
-                f"tensor {hf_name} has shape {list(entry.shape)} but config.json implies {list(spec.shape)}"
+                f"tensor {hf_name} has shape {list(shape)} but config.json implies {list(spec.shape)}"
             )
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ConversionError(f"internal error: no GGUF name for {hf_name}")
-        qtype = _out_type(spec.shape, outtype)
+        qtype, direct = _auto_type(spec.shape, quant) if outtype is None else (_out_type(spec.shape, outtype), False)
+        source = ckpt.where[hf_name] if quant is None else None
         plans.append(
-            _Plan(gguf_name, spec.shape, qtype, _nbytes(spec.shape, qtype), ckpt.where[hf_name], entry,
-                  permute_heads=spec.permute_heads)
+            _Plan(gguf_name, spec.shape, qtype, _nbytes(spec.shape, qtype), source, entry,
+                  permute_heads=spec.permute_heads, quant=quant, direct=direct)
         )
     for gguf_name, data in arch.extra_tensors(hp).items():
         plans.append(_Plan(gguf_name, data.shape, QT.F32, data.nbytes, data=data.astype(np.float32)))
@@ -300,10 +372,12 @@ def _cancelled(cancel: Any) -> bool:
 
 
 def _source_dtype(ckpt: Checkpoint) -> str:
+    """The float dtype holding most bytes (a quantized checkpoint's unquantized tensors decide)."""
     sizes: dict[str, int] = {}
     for f in ckpt.files:
         for e in f.tensors.values():
-            sizes[e.dtype] = sizes.get(e.dtype, 0) + e.n_bytes
+            if e.dtype in FLOAT_DTYPES:
+                sizes[e.dtype] = sizes.get(e.dtype, 0) + e.n_bytes
     return max(sizes, key=sizes.__getitem__) if sizes else "F32"
 
 
@@ -321,7 +395,11 @@ def convert_model(
 ) -> ConvertResult:
     """Convert a Hugging Face model folder to GGUF and register it in the store.
 
-    `outtype` is f32, f16, bf16 or q8_0; None picks bf16 for a bf16 checkpoint, else f16.
+    `outtype` is f32, f16, bf16, q8_0 or auto; None picks bf16 for a bf16 checkpoint, else f16.
+    Quantized checkpoints (config.json's quantization_config: fp8, awq, gptq, compressed-tensors)
+    are dequantized exactly; "auto" writes their 4-bit layers straight into Q4_1/Q4_0 blocks (8-bit
+    symmetric ones into Q8_0) where the groups allow it and everything else as Q8_0, and the
+    result's `direct` lists each such layer with its max error against the dequantized checkpoint.
     Without `output` the file goes into the store as `<name>:<outtype>`; with it, the file is
     written there and registered as an external (not store-owned) model. `repo_id` records the
     Hub repository the folder came from; `register=False` only writes the file (the result's
@@ -333,14 +411,16 @@ def convert_model(
     folder = Path(source_dir).expanduser()
     if not folder.is_dir():
         raise ConversionError(f"no such model folder: {folder}")
-    if outtype is not None and outtype not in OUTTYPES:
-        raise InvalidOptionError(f"unknown outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    if outtype is not None and outtype not in OUTTYPE_CHOICES:
+        raise InvalidOptionError(f"unknown outtype {outtype!r}; choose one of {', '.join(OUTTYPE_CHOICES)}")
     config = _read_json(folder / "config.json", "the model's configuration")
     arch = architecture_for(config)
     hp = arch.hparams(config)
+    scheme = scheme_for(config, folder)
     vocab = load_vocab(folder, hp.vocab_size)
     store = store or Store()
     warned: list[str] = []
+    direct: list[DirectTensor] = []
 
     def nonfinite(msg: str) -> None:
         if msg not in warned:
@@ -350,11 +430,20 @@ def convert_model(
     with open_checkpoint(folder) as ckpt:
         if outtype is None:
             outtype = "bf16" if _source_dtype(ckpt) == "BF16" else "f16"
-        qtype, ftype = OUTTYPES[outtype]
-        plans = _plan_tensors(ckpt, arch, hp, qtype)
+        if outtype == "auto":
+            plans = _plan_tensors(ckpt, arch, hp, None, scheme)
+            by_type: dict[QT, int] = {}
+            for p in plans:
+                by_type[p.qtype] = by_type.get(p.qtype, 0) + p.nbytes
+            qtype = max(by_type, key=by_type.__getitem__)
+            ftype = _FILE_TYPES.get(qtype, LlamaFileType.MOSTLY_Q8_0)
+            tag = qtype.name.lower()  # what the file mostly is, e.g. q4_1
+        else:
+            qtype, ftype = OUTTYPES[outtype]
+            plans = _plan_tensors(ckpt, arch, hp, qtype, scheme)
+            tag = outtype
         display = _model_name(folder, config)
         store_name = normalize_name(name or display)
-        tag = outtype
         target = Path(output).expanduser() if output else store.model_path(store_name, tag)
         if register and output:
             # An external file must not take over the manifest of another file (which it would orphan).
@@ -364,7 +453,7 @@ def convert_model(
                     f"{existing.ref} is already in the store ({existing.file}); pass another --name, or remove it first"
                 )
         total_out = sum(p.nbytes for p in plans)
-        total_src = sum(p.entry.n_bytes for p in plans if p.entry is not None)
+        total_src = sum(p.source_bytes for p in plans)
         ensure_free_space(target.parent, total_out + (64 << 20), "the converted model")
 
         with atomic_path(target) as tmp:
@@ -378,7 +467,7 @@ def convert_model(
                     w.add_source_repo_url(f"https://huggingface.co/{repo_id}")
                 arch.write_metadata(w, hp)
                 w.add_file_type(ftype)
-                if qtype == QT.Q8_0:
+                if any(p.qtype not in (QT.F32, QT.F16, QT.BF16) for p in plans):
                     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
                 vocab.add_to_gguf(w)
                 for p in plans:
@@ -389,8 +478,13 @@ def convert_model(
                 done = 0
                 with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
                     for i, p in enumerate(plans, 1):
-                        w.write_tensor_data(_TensorStream(p, pool, nonfinite))  # type: ignore[arg-type]
-                        done += p.entry.n_bytes if p.entry is not None else 0
+                        stream = _TensorStream(p, pool, nonfinite)
+                        w.write_tensor_data(stream)  # type: ignore[arg-type]
+                        if p.direct:
+                            direct.append(DirectTensor(p.name, p.qtype.name, stream.max_error))
+                            log.info("%s: %s straight from the %s checkpoint, max |error| %.3g vs its dequantized "
+                                     "values", p.name, p.qtype.name, scheme.method if scheme else "?", stream.max_error)
+                        done += p.source_bytes
                         if on_progress is not None:
                             on_progress(ConvertProgress(p.name, i, len(plans), done, total_src))
                         if _cancelled(cancel):
@@ -399,11 +493,14 @@ def convert_model(
             finally:
                 w.close()
             info = read_gguf(tmp)  # validated before it gets its final name
+    method = scheme.method if scheme is not None else None
     if not register:
         return ConvertResult(target, None, arch.name, outtype, len(plans), total_src, target.stat().st_size,
-                             time.monotonic() - t0, tuple(warned))
+                             time.monotonic() - t0, tuple(warned), method, tuple(direct))
     derived = repo_id or str(folder.resolve())
     source = {"kind": "convert", "from": derived, "outtype": outtype, "architecture": arch.name}
+    if method is not None:
+        source["quantization"] = method
     if repo_id:
         source["repo"] = repo_id
     manifest = store.register(
@@ -419,4 +516,6 @@ def convert_model(
         output_bytes=target.stat().st_size,
         seconds=time.monotonic() - t0,
         warnings=tuple(warned),
+        quantization=method,
+        direct=tuple(direct),
     )

@@ -20,23 +20,36 @@ import numpy as np
 
 from ..errors import ConversionError
 
-__all__ = ["TensorEntry", "SafetensorsFile", "Checkpoint", "open_checkpoint", "DTYPES"]
+__all__ = ["TensorEntry", "SafetensorsFile", "Checkpoint", "open_checkpoint", "DTYPES", "FLOAT_DTYPES"]
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element). BF16 is kept as raw
-# uint16 bits; the converter widens it to float32 itself.
+# uint16 bits and FP8 as raw uint8 bits; the converter (and convert.quantized) decode them. Which
+# dtypes a model may use where is the converter's business: the reader only checks the layout.
 DTYPES: dict[str, tuple[np.dtype, int]] = {
+    "F64": (np.dtype("<f8"), 8),
     "F32": (np.dtype("<f4"), 4),
     "F16": (np.dtype("<f2"), 2),
     "BF16": (np.dtype("<u2"), 2),
+    "F8_E4M3": (np.dtype("u1"), 1),
+    "F8_E5M2": (np.dtype("u1"), 1),
+    "I64": (np.dtype("<i8"), 8),
+    "I32": (np.dtype("<i4"), 4),
+    "I16": (np.dtype("<i2"), 2),
+    "I8": (np.dtype("i1"), 1),
+    "U64": (np.dtype("<u8"), 8),
+    "U32": (np.dtype("<u4"), 4),
+    "U16": (np.dtype("<u2"), 2),
+    "U8": (np.dtype("u1"), 1),
+    "BOOL": (np.dtype("u1"), 1),
 }
-_KNOWN_BUT_UNSUPPORTED = {"F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64"}
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # what an unquantized weight may be stored as
 _MAX_HEADER = 100 << 20  # the format's own limit
 
 
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    dtype: str  # "F32" | "F16" | "BF16"
+    dtype: str  # a DTYPES key: "F32", "BF16", "I32", "F8_E4M3", ...
     shape: tuple[int, ...]
     begin: int  # absolute offset in the file
     end: int
@@ -98,10 +111,6 @@ class SafetensorsFile:
             shape = spec.get("shape")
             offsets = spec.get("data_offsets")
             if dtype not in DTYPES:
-                if dtype in _KNOWN_BUT_UNSUPPORTED:
-                    raise ConversionError(
-                        f"{self.path.name}: tensor {name!r} has dtype {dtype}; only F32, F16 and BF16 weights are supported"
-                    )
                 raise self._bad(f"tensor {name!r} has unknown dtype {dtype!r}")
             if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise self._bad(f"tensor {name!r} has an invalid shape {shape!r}")
@@ -129,7 +138,7 @@ class SafetensorsFile:
         return out
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only view of a tensor's stored bits (BF16 as uint16), shaped like the tensor."""
+        """A read-only view of a tensor's stored bits (BF16 as uint16, FP8 as uint8), shaped like the tensor."""
         e = self.tensors[name]
         np_dtype = DTYPES[e.dtype][0]
         if e.n_elements == 0 or self._mm is None:
