@@ -1,6 +1,6 @@
 """Pull benchmarks against the local Hub server (tests/hub_server.py), which runs in its own process.
 
-1. Download throughput of one ~200 MB GGUF: `edgeinfer.hub.pull` (which also hashes every byte,
+1. Download throughput of one ~200 MB GGUF: `edgeinfer.pull` (which also hashes every byte,
    keeps a resumable partial file, validates the GGUF and registers it) vs the raw client's
    `huggingface_hub.hf_hub_download` of the same file (which verifies nothing). Each round starts
    from an empty cache; the two alternate, so shared load on the machine hits both alike.
@@ -101,7 +101,7 @@ def main() -> None:
 def throughput(work: Path, big: Path, rounds: int) -> None:
     from huggingface_hub import constants, hf_hub_download
 
-    from edgeinfer import hub
+    import edgeinfer
     from edgeinfer.store import Store
 
     size = big.stat().st_size
@@ -114,11 +114,11 @@ def throughput(work: Path, big: Path, rounds: int) -> None:
         marks: dict[str, float] = {}
 
         def on_progress(ev: object) -> None:
-            if isinstance(ev, hub.PullStage) and ev.stage not in marks:
+            if isinstance(ev, edgeinfer.PullStage) and ev.stage not in marks:
                 marks[ev.stage] = time.perf_counter()
 
         t = time.perf_counter()
-        r = hub.pull("bench/Big-GGUF:F16", on_progress=on_progress)
+        r = edgeinfer.pull("bench/Big-GGUF:F16", on_progress=on_progress)
         end = time.perf_counter()
         assert r.downloaded_bytes == size
         Store().remove(r.manifest.ref)
@@ -136,29 +136,29 @@ def throughput(work: Path, big: Path, rounds: int) -> None:
     whole: list[float] = []
     ours(), raw()  # warm up: imports, page cache of the served file
     whole.clear()
-    times: dict[str, list[float]] = {"edgeinfer.hub.pull": [], "hf_hub_download": []}
+    times: dict[str, list[float]] = {"edgeinfer.pull": [], "hf_hub_download": []}
     for i in range(rounds):
-        pair = [("edgeinfer.hub.pull", ours), ("hf_hub_download", raw)]
+        pair = [("edgeinfer.pull", ours), ("hf_hub_download", raw)]
         for name, fn in pair if i % 2 == 0 else reversed(pair):
             times[name].append(fn())
     print(f"\n## Download throughput: one {size / 1e6:.0f} MB file, {rounds} rounds each, alternating, fresh cache\n")
     print("| client (what is timed) | median s | median MB/s | min s | max s |")
     print("|---|---:|---:|---:|---:|")
     rows = {
-        "edgeinfer.hub.pull (metadata, download, sha256, place in cache)": times["edgeinfer.hub.pull"],
+        "edgeinfer.pull (metadata, download, sha256, place in cache)": times["edgeinfer.pull"],
         "hf_hub_download (HEAD, download, place in cache; no hash)": times["hf_hub_download"],
-        "edgeinfer.hub.pull end to end (+ GGUF validation, manifest with fsync)": whole,
+        "edgeinfer.pull end to end (+ GGUF validation, manifest with fsync)": whole,
     }
     for name, ts in rows.items():
         med = statistics.median(ts)
         print(f"| {name} | {med:.3f} | {size / 1e6 / med:.0f} | {min(ts):.3f} | {max(ts):.3f} |")
-    ratio = statistics.median(times["edgeinfer.hub.pull"]) / statistics.median(times["hf_hub_download"])
-    paired = statistics.median(a / b for a, b in zip(times["edgeinfer.hub.pull"], times["hf_hub_download"]))
+    ratio = statistics.median(times["edgeinfer.pull"]) / statistics.median(times["hf_hub_download"])
+    paired = statistics.median(a / b for a, b in zip(times["edgeinfer.pull"], times["hf_hub_download"]))
     for name, ts in times.items():
         print(f"\n{name} per round (s): {', '.join(f'{t:.3f}' for t in ts)}", end="")
     print()
     total = statistics.median(whole) / statistics.median(times["hf_hub_download"])
-    print(f"\ndownload overhead of edgeinfer.hub.pull vs hf_hub_download (median time ratio − 1): "
+    print(f"\ndownload overhead of edgeinfer.pull vs hf_hub_download (median time ratio − 1): "
           f"{100 * (ratio - 1):+.1f} % (median of per-round ratios: {100 * (paired - 1):+.1f} %); "
           f"end to end: {100 * (total - 1):+.1f} %")
 
@@ -166,19 +166,18 @@ def throughput(work: Path, big: Path, rounds: int) -> None:
 def ttft(work: Path) -> None:
     import edgeinfer
     from edgeinfer import GenerateOptions, SamplingOptions, TokenEvent
-    from edgeinfer import hub
 
     stages: dict[str, float] = {}
     t0 = time.perf_counter()
     last = [t0]
 
     def on_progress(ev: object) -> None:
-        if isinstance(ev, hub.PullStage):
+        if isinstance(ev, edgeinfer.PullStage):
             now = time.perf_counter()
             stages[ev.stage] = now - t0
             last[0] = now
 
-    r = hub.pull("bench/SmolLM2-135M-Instruct", profile="balanced", on_progress=on_progress)
+    r = edgeinfer.pull("bench/SmolLM2-135M-Instruct", profile="balanced", on_progress=on_progress)
     t_pull = time.perf_counter() - t0
     engine = edgeinfer.load(r.manifest.ref, n_ctx=512)
     t_load = time.perf_counter() - t0

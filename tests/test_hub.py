@@ -6,12 +6,16 @@ Small synthetic GGUFs keep these fast; tests/test_hub_e2e.py pulls real models t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hub_server import HubServer, point_client_at, tiny_gguf
 
+import edgeinfer
 from edgeinfer import hub as hubmod
+from edgeinfer.hub import download
 from edgeinfer.errors import (
     AuthenticationError,
     Cancelled,
@@ -32,7 +36,7 @@ def hub(tmp_path, monkeypatch):
     """A local Hub, with huggingface_hub pointed at it and at a fresh cache."""
     server = HubServer().start()
     point_client_at(monkeypatch, server.url, tmp_path / "hf-cache")
-    monkeypatch.setattr(hubmod, "_BACKOFF_S", 0.0)
+    monkeypatch.setattr(download, "_BACKOFF_S", 0.0)
     yield server
     server.stop()
 
@@ -88,7 +92,7 @@ def test_pull_gguf_default_quant_registers_hub_source(hub, gguf_repo, tmp_path):
     from huggingface_hub import hf_hub_download
 
     events = []
-    result = hubmod.pull(REPO, on_progress=events.append)
+    result = edgeinfer.pull(REPO, on_progress=events.append)
     m = result.manifest
     assert (m.name, m.tag, m.quant, m.owned) == ("tiny", "q4_k_m", "Q4_K_M", False)
     commit = hub.repos[REPO].refs["main"]
@@ -111,7 +115,7 @@ def test_pull_gguf_default_quant_registers_hub_source(hub, gguf_repo, tmp_path):
 
 
 def test_pull_split_gguf_fetches_and_validates_every_part(hub, gguf_repo):
-    result = hubmod.pull(f"{REPO}:Q6_K")
+    result = edgeinfer.pull(f"{REPO}:Q6_K")
     m = result.manifest
     assert m.tag == "q6_k" and len(result.paths) == 2
     assert m.file.endswith("Tiny-Q6_K-00001-of-00002.gguf")  # the snapshot name llama.cpp needs
@@ -122,30 +126,30 @@ def test_pull_split_gguf_fetches_and_validates_every_part(hub, gguf_repo):
 
 def test_same_model_name_from_another_owner_gets_a_qualified_name(hub, gguf_repo, tmp_path):
     hub.add_repo("other/Tiny-GGUF", {"Tiny-Q4_K_M.gguf": tiny_gguf(tmp_path / "o.gguf", "Q4_K_M", seed=5)})
-    assert hubmod.pull(REPO).manifest.ref == "tiny:q4_k_m"
-    assert hubmod.pull("other/Tiny-GGUF").manifest.ref == "other-tiny:q4_k_m"
-    assert hubmod.pull(REPO).manifest.ref == "tiny:q4_k_m"  # pulling again keeps its own name
+    assert edgeinfer.pull(REPO).manifest.ref == "tiny:q4_k_m"
+    assert edgeinfer.pull("other/Tiny-GGUF").manifest.ref == "other-tiny:q4_k_m"
+    assert edgeinfer.pull(REPO).manifest.ref == "tiny:q4_k_m"  # pulling again keeps its own name
     assert Store().get("tiny:q4_k_m").source["repo"] == REPO
 
 
 def test_unknown_quant_lists_what_the_repo_has(hub, gguf_repo):
     with pytest.raises(ModelNotFoundError, match="no Q5_K_M file.*Q2_K"):
-        hubmod.pull(f"{REPO}:Q5_K_M")
+        edgeinfer.pull(f"{REPO}:Q5_K_M")
 
 
 def test_revision_pins_commit_and_writes_ref(hub, gguf_repo, tmp_path):
     v2 = hub.add_repo(REPO, {"Tiny-Q8_0.gguf": tiny_gguf(tmp_path / "v2.gguf", "Q8_0", seed=99)}, revision="v2")
-    m = hubmod.pull(f"{REPO}:Q8_0", revision="v2").manifest
+    m = edgeinfer.pull(f"{REPO}:Q8_0", revision="v2").manifest
     assert m.source["revision"] == v2 and m.source["ref"] == "v2"
     assert (_cache(tmp_path) / "refs" / "v2").read_text() == v2
     assert f"/snapshots/{v2}/" in m.file
     with pytest.raises(ModelNotFoundError, match="revision"):
-        hubmod.pull(REPO, revision="nope")
+        edgeinfer.pull(REPO, revision="nope")
 
 
 def test_redirected_downloads_work(hub, gguf_repo):
     hub.redirect = True
-    assert hubmod.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
+    assert edgeinfer.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
     assert hub.requests("GET", "/_cdn/")
 
 
@@ -159,7 +163,7 @@ def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_
     cut = 3_000_000
     hub.cut_at[(REPO, "Big-F16.gguf")] = cut
     with pytest.raises(OfflineError, match="run the same pull again to resume"):
-        hubmod.pull(f"{REPO}:F16")
+        edgeinfer.pull(f"{REPO}:F16")
     blobs = _cache(tmp_path) / "blobs"
     partials = list(blobs.glob("*.incomplete"))
     assert len(partials) == 1 and partials[0].stat().st_size == cut
@@ -172,7 +176,7 @@ def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_
 
     del hub.cut_at[(REPO, "Big-F16.gguf")]
     before = len(hub.log)
-    result = hubmod.pull(f"{REPO}:F16")
+    result = edgeinfer.pull(f"{REPO}:F16")
     body = "/_cdn/" if redirect else "/resolve/"
     ranges = [r.range for r in hub.log[before:] if r.method == "GET" and body in r.path]
     assert ranges == [f"bytes={cut}-"]
@@ -185,21 +189,21 @@ def test_cut_connection_fails_cleanly_and_next_run_resumes_with_range(hub, gguf_
 
 
 def test_ctrl_c_keeps_partial_and_next_run_resumes(hub, gguf_repo, tmp_path, monkeypatch):
-    monkeypatch.setattr(hubmod, "_EMIT_EVERY_S", 0.0)
+    monkeypatch.setattr(download, "_EMIT_EVERY_S", 0.0)
 
     def interrupt(ev):
         if isinstance(ev, hubmod.DownloadProgress) and ev.status == "downloading" and ev.done >= 2_000_000:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        hubmod.pull(f"{REPO}:F16", on_progress=interrupt)
+        edgeinfer.pull(f"{REPO}:F16", on_progress=interrupt)
     (partial,) = (_cache(tmp_path) / "blobs").glob("*.incomplete")
     kept = partial.stat().st_size
     assert 2_000_000 <= kept < 8_000_000
 
     before = len(hub.log)
     events = []
-    result = hubmod.pull(f"{REPO}:F16", on_progress=events.append)
+    result = edgeinfer.pull(f"{REPO}:F16", on_progress=events.append)
     ranges = [r.range for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path]
     assert ranges == [f"bytes={kept}-"]
     assert any(isinstance(e, hubmod.DownloadProgress) and e.resumed_from == kept for e in events)
@@ -209,7 +213,7 @@ def test_ctrl_c_keeps_partial_and_next_run_resumes(hub, gguf_repo, tmp_path, mon
 def test_cancel_event_keeps_partial(hub, gguf_repo, tmp_path, monkeypatch):
     import threading
 
-    monkeypatch.setattr(hubmod, "_EMIT_EVERY_S", 0.0)
+    monkeypatch.setattr(download, "_EMIT_EVERY_S", 0.0)
     stop = threading.Event()
 
     def on_progress(ev):
@@ -217,7 +221,7 @@ def test_cancel_event_keeps_partial(hub, gguf_repo, tmp_path, monkeypatch):
             stop.set()
 
     with pytest.raises(Cancelled):
-        hubmod.pull(f"{REPO}:F16", on_progress=on_progress, cancel=stop)
+        edgeinfer.pull(f"{REPO}:F16", on_progress=on_progress, cancel=stop)
     assert list((_cache(tmp_path) / "blobs").glob("*.incomplete"))
 
 
@@ -227,14 +231,14 @@ def test_cancel_event_keeps_partial(hub, gguf_repo, tmp_path, monkeypatch):
 def test_corrupted_body_is_deleted_and_a_retry_downloads_again(hub, gguf_repo, tmp_path):
     hub.corrupt.add((REPO, "Tiny-Q8_0.gguf"))
     with pytest.raises(IntegrityError, match="sha256 mismatch for Tiny-Q8_0.gguf.*deleted"):
-        hubmod.pull(f"{REPO}:Q8_0")
+        edgeinfer.pull(f"{REPO}:Q8_0")
     cache = _cache(tmp_path)
     assert not [p for p in (cache / "blobs").iterdir()]
     assert not list((cache / "snapshots").rglob("*.gguf"))
     assert Store().find("tiny:q8_0") is None
     hub.corrupt.clear()
     before = len(hub.log)
-    assert hubmod.pull(f"{REPO}:Q8_0").manifest.tag == "q8_0"
+    assert edgeinfer.pull(f"{REPO}:Q8_0").manifest.tag == "q8_0"
     assert [r.range for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path] == [None]
 
 
@@ -242,9 +246,9 @@ def test_small_files_are_checked_against_their_git_sha1(hub, tmp_path):
     hub.add_repo("tester/cfg", {"config.json": '{"a": 1}', "model.safetensors": b"x" * 100})
     hub.corrupt.add(("tester/cfg", "config.json"))
     with pytest.raises(IntegrityError, match="git sha1 mismatch for config.json"):
-        hubmod.pull_source("tester/cfg")
+        edgeinfer.pull_source("tester/cfg")
     hub.corrupt.clear()
-    folder = hubmod.pull_source("tester/cfg")
+    folder = edgeinfer.pull_source("tester/cfg")
     assert (folder / "config.json").read_text() == '{"a": 1}'
 
 
@@ -253,7 +257,7 @@ def test_reuses_a_file_huggingface_hub_downloaded(hub, gguf_repo):
 
     path = hf_hub_download(REPO, "Tiny-Q8_0.gguf")
     before = len(hub.log)
-    result = hubmod.pull(f"{REPO}:Q8_0")
+    result = edgeinfer.pull(f"{REPO}:Q8_0")
     assert not [r for r in hub.log[before:] if r.method == "GET" and "/resolve/" in r.path]
     assert result.downloaded_bytes == 0 and result.reused_bytes == Path(path).stat().st_size
     assert Path(result.manifest.file) == Path(path)
@@ -265,28 +269,28 @@ def test_a_damaged_blob_stored_by_huggingface_hub_is_replaced(hub, gguf_repo):
     hub.corrupt.add((REPO, "Tiny-Q8_0.gguf"))
     bad = hf_hub_download(REPO, "Tiny-Q8_0.gguf")  # the client keeps the corrupted body, unverified
     hub.corrupt.clear()
-    result = hubmod.pull(f"{REPO}:Q8_0")
+    result = edgeinfer.pull(f"{REPO}:Q8_0")
     assert result.downloaded_bytes > 0
     assert Path(result.manifest.file) == Path(bad)
-    assert result.manifest.sha256 == hubmod._hash_file(Path(bad), result.plan.files[0]).hexdigest()
+    assert result.manifest.sha256 == download._hash_file(Path(bad), result.plan.files[0]).hexdigest()
 
 
 def test_blob_linked_into_huggingface_hubs_shared_store_is_reused(hub, gguf_repo, tmp_path, monkeypatch):
     """huggingface_hub may make blobs/<etag> a link into a cache-wide shared store (Xet repos)."""
     from huggingface_hub import constants
 
-    first = hubmod.pull(f"{REPO}:Q8_0").manifest
+    first = edgeinfer.pull(f"{REPO}:Q8_0").manifest
     blob = Path(os.path.realpath(first.file))
     shared = tmp_path / "hf-cache" / "blobs" / "ab" / "abcdef"
     shared.parent.mkdir(parents=True)
     blob.rename(shared)
     blob.symlink_to(shared)
     before = len(hub.log)
-    again = hubmod.pull(f"{REPO}:Q8_0")
+    again = edgeinfer.pull(f"{REPO}:Q8_0")
     assert again.downloaded_bytes == 0 and blob.is_symlink()
     assert not [r for r in hub.log[before:] if "/resolve/" in r.path]
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert hubmod.pull(f"{REPO}:Q8_0").manifest.file == first.file
+    assert edgeinfer.pull(f"{REPO}:Q8_0").manifest.file == first.file
     assert hubmod.disk_usage().cache_bytes == first.size
     assert hubmod.purge_cache(first) == 0 and shared.is_file() and not os.path.lexists(blob)
 
@@ -296,26 +300,26 @@ def test_blob_linked_into_huggingface_hubs_shared_store_is_reused(hub, gguf_repo
 
 def test_missing_repo(hub):
     with pytest.raises(ModelNotFoundError, match="tester/nothing not found"):
-        hubmod.pull("tester/nothing")
+        edgeinfer.pull("tester/nothing")
 
 
 def test_gated_repo_needs_a_token(hub, gguf_repo, monkeypatch):
     hub.tokens[REPO] = "hf_secret"
     with pytest.raises(AuthenticationError) as e:
-        hubmod.pull(REPO)
+        edgeinfer.pull(REPO)
     assert "hf auth login" in str(e.value) and "HF_TOKEN" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(AuthenticationError):
-        hubmod.pull(REPO, token="hf_wrong")
-    assert hubmod.pull(REPO, token="hf_secret").manifest.tag == "q4_k_m"
+        edgeinfer.pull(REPO, token="hf_wrong")
+    assert edgeinfer.pull(REPO, token="hf_secret").manifest.tag == "q4_k_m"
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
-    assert hubmod.pull(f"{REPO}:Q8_0").manifest.tag == "q8_0"
+    assert edgeinfer.pull(f"{REPO}:Q8_0").manifest.tag == "q8_0"
 
 
 @pytest.mark.parametrize("name", ["../evil.gguf", "a/../../evil.gguf", "/tmp/evil.gguf", "a\\..\\evil.gguf"])
 def test_hostile_file_names_are_refused(hub, tmp_path, name):
     hub.add_repo("evil/Repo-GGUF", {name: tiny_gguf(tmp_path / "e.gguf", "Q4_K_M"), "ok-Q8_0.gguf": b"GGUF"})
     with pytest.raises(HubError, match="refusing file name"):
-        hubmod.pull("evil/Repo-GGUF")
+        edgeinfer.pull("evil/Repo-GGUF")
     assert not list(tmp_path.rglob("evil.gguf"))
     assert not list((tmp_path / "hf-cache").rglob("*.gguf"))
 
@@ -330,22 +334,22 @@ def test_a_cache_folder_linking_outside_is_refused(hub, gguf_repo, tmp_path, whe
     link.parent.mkdir(parents=True)
     link.symlink_to(outside, target_is_directory=True)
     with pytest.raises(HubError, match="links? out of the cache"):
-        hubmod.pull(f"{REPO}:Q8_0")
+        edgeinfer.pull(f"{REPO}:Q8_0")
     assert not list(outside.iterdir())
 
 
 def test_model_info_without_blob_metadata_falls_back_to_the_tree(hub, gguf_repo):
     hub.bare_info = True
-    m = hubmod.pull(f"{REPO}:Q8_0").manifest
+    m = edgeinfer.pull(f"{REPO}:Q8_0").manifest
     assert hub.requests("GET", "/tree/") and m.sha256 == m.source["sha256"]["Tiny-Q8_0.gguf"]
 
 
 def test_not_enough_disk_refuses_before_writing(hub, gguf_repo, tmp_path):
     hub.fake_size[(REPO, "Tiny-Q4_K_M.gguf")] = 10**15
-    p = hubmod.plan(REPO)
+    p = edgeinfer.plan(REPO)
     assert p.total_bytes == 10**15 and p.disk_shortfall() is not None
     with pytest.raises(DiskSpaceError, match="not enough disk space"):
-        hubmod.pull(REPO)
+        edgeinfer.pull(REPO)
     cache = _cache(tmp_path)
     assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()]
     assert Store().find("tiny:q4_k_m") is None
@@ -359,19 +363,19 @@ def test_not_enough_disk_refuses_before_writing(hub, gguf_repo, tmp_path):
 def test_offline_uses_only_the_cache(hub, gguf_repo, monkeypatch, how):
     from huggingface_hub import constants
 
-    first = hubmod.pull(f"{REPO}:Q8_0").manifest
+    first = edgeinfer.pull(f"{REPO}:Q8_0").manifest
     Store().remove(first.ref)
     if how == "read at import":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     else:  # huggingface_hub read it at import; edgeinfer also reads the variable at call time
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = len(hub.log)
-    m = hubmod.pull(REPO).manifest  # default quant, chosen among the cached files
+    m = edgeinfer.pull(REPO).manifest  # default quant, chosen among the cached files
     assert (m.tag, m.file) == ("q8_0", first.file)
     assert m.source["revision"] == first.source["revision"]
     assert len(hub.log) == before
     with pytest.raises(OfflineError, match="not in the Hugging Face cache"):
-        hubmod.pull("tester/other-GGUF")
+        edgeinfer.pull("tester/other-GGUF")
 
 
 def test_unreachable_endpoint_falls_back_to_cache(hub, gguf_repo, monkeypatch):
@@ -379,39 +383,39 @@ def test_unreachable_endpoint_falls_back_to_cache(hub, gguf_repo, monkeypatch):
 
     from huggingface_hub import constants
 
-    hubmod.pull(f"{REPO}:Q2_K")
+    edgeinfer.pull(f"{REPO}:Q2_K")
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     monkeypatch.setattr(constants, "ENDPOINT", dead)
-    assert hubmod.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
+    assert edgeinfer.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
     with pytest.raises(OfflineError, match="cannot reach"):
-        hubmod.pull("tester/other-GGUF")
+        edgeinfer.pull("tester/other-GGUF")
 
 
 def test_hub_down_falls_back_to_cache(hub, gguf_repo):
-    hubmod.pull(f"{REPO}:Q2_K")
+    edgeinfer.pull(f"{REPO}:Q2_K")
     hub.down = True
-    assert hubmod.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
+    assert edgeinfer.pull(f"{REPO}:Q2_K").manifest.tag == "q2_k"
     with pytest.raises(HubError, match="503"):
-        hubmod.pull("tester/other-GGUF")
+        edgeinfer.pull("tester/other-GGUF")
 
 
 # -- plan, disk use, purge ---------------------------------------------------------------------------
 
 
 def test_plan_counts_cached_bytes(hub, gguf_repo):
-    p = hubmod.plan(f"{REPO}:Q8_0")
+    p = edgeinfer.plan(f"{REPO}:Q8_0")
     assert (p.kind, p.quant, p.cached_bytes) == ("gguf", "Q8_0", 0)
     assert p.download_bytes == p.total_bytes == Path(gguf_repo["Tiny-Q8_0.gguf"]).stat().st_size
     assert p.ram_needed_bytes > p.weights_bytes and p.fits_ram is True
-    hubmod.pull(f"{REPO}:Q8_0")
-    assert hubmod.plan(f"{REPO}:Q8_0").download_bytes == 0
+    edgeinfer.pull(f"{REPO}:Q8_0")
+    assert edgeinfer.plan(f"{REPO}:Q8_0").download_bytes == 0
 
 
 def test_disk_usage_and_purge_cache(hub, gguf_repo, tmp_path):
-    m8 = hubmod.pull(f"{REPO}:Q8_0").manifest
-    m2 = hubmod.pull(f"{REPO}:Q2_K").manifest
+    m8 = edgeinfer.pull(f"{REPO}:Q8_0").manifest
+    m2 = edgeinfer.pull(f"{REPO}:Q2_K").manifest
     du = hubmod.disk_usage()
     rows = {r.ref: r for r in du.rows}
     assert rows["tiny:q8_0"].cache_bytes == m8.size and rows["tiny:q8_0"].store_bytes == 0
@@ -421,6 +425,37 @@ def test_disk_usage_and_purge_cache(hub, gguf_repo, tmp_path):
     assert Path(m2.file).is_file()  # the other model's files stay
     assert hubmod.purge_cache(m2) == m2.size
     assert not _cache(tmp_path).exists()
+
+
+@pytest.mark.parametrize("where", ["repo folder", "snapshot"])
+def test_purge_never_deletes_outside_the_cache(hub, gguf_repo, tmp_path, where):
+    """A cache folder that links out of the cache: purge_cache deletes nothing there, not even a
+    link that names the right blob (only the path check can refuse that one)."""
+    m = edgeinfer.pull(f"{REPO}:Q8_0").manifest
+    blob = Path(os.path.realpath(m.file))
+    moved = _cache(tmp_path) / "snapshots" / m.source["revision"] if where == "snapshot" else _cache(tmp_path)
+    outside = tmp_path / "outside"
+    moved.rename(outside)
+    moved.symlink_to(outside, target_is_directory=True)
+    if where == "snapshot":
+        decoy = outside / "Tiny-Q8_0.gguf"
+        decoy.unlink()
+        decoy.symlink_to(blob)  # blobs/<etag> inside the cache: a pointer in every other respect
+    before = sorted(p.relative_to(outside) for p in outside.rglob("*"))
+    assert hubmod.purge_cache(m) == 0
+    assert sorted(p.relative_to(outside) for p in outside.rglob("*")) == before
+
+
+def test_the_hub_imports_neither_the_converter_nor_the_quantizer():
+    """edgeinfer.hub is below them: only edgeinfer.pull converts and quantizes (test_layering checks
+    every import statement; this checks what importing the package really loads)."""
+    code = (
+        "import sys, edgeinfer.hub, edgeinfer.hub.spec, edgeinfer.hub.cache, edgeinfer.hub.download, "
+        "edgeinfer.hub.housekeeping; print(sorted(m for m in sys.modules if m.startswith(('edgeinfer.convert', "
+        "'edgeinfer.quantize'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
 
 
 def test_source_label():

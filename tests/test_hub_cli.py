@@ -12,7 +12,7 @@ import time
 import pytest
 from hub_server import HubServer, point_client_at, tiny_gguf
 
-from edgeinfer import hub as hubmod
+from edgeinfer.hub import download
 from edgeinfer.cli import main
 
 REPO = "tester/Tiny-GGUF"
@@ -22,7 +22,7 @@ REPO = "tester/Tiny-GGUF"
 def hub(tmp_path, monkeypatch):
     server = HubServer().start()
     point_client_at(monkeypatch, server.url, tmp_path / "hf-home" / "hub")
-    monkeypatch.setattr(hubmod, "_BACKOFF_S", 0.0)
+    monkeypatch.setattr(download, "_BACKOFF_S", 0.0)
     src = tmp_path / "src"
     src.mkdir()
     server.add_repo(

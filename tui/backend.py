@@ -33,7 +33,7 @@ __all__ = [
 # Manage features and the edgeinfer module each one needs (built by other parts of the project;
 # the UI checks at runtime and says "not available in this version" when one is missing).
 FEATURES: dict[str, str] = {
-    "pull": "edgeinfer.hub",
+    "pull": "edgeinfer.pull",
     "convert": "edgeinfer.convert",
     "quantize": "edgeinfer.quantize",
     "evaluate": "edgeinfer.evaluate",

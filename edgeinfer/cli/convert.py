@@ -44,18 +44,14 @@ def _resolve_source(source: str) -> tuple[Path, str | None]:
     if path.is_dir():
         return path, None
     if "/" in source and not source.startswith((".", "/", "~")) and source.count("/") == 1:
-        try:
-            from .. import hub
-        except ImportError:
-            raise ConversionError(f"{source} is not a local folder, and pulling from the Hub is not available") from None
+        import edgeinfer
+
         bar = ProgressBar(f"pulling {source}", None, unit="B")
 
-        def on_progress(ev: object) -> None:  # hub.DownloadProgress (per file) or a stage event
-            done, total, file = getattr(ev, "done", None), getattr(ev, "total", None), getattr(ev, "file", None)
-            if isinstance(done, int) and isinstance(total, int):
-                bar.update(done, total, label=f"pulling {file}")
+        def on_progress(ev: edgeinfer.DownloadProgress) -> None:
+            bar.update(ev.done, ev.total, label=f"pulling {ev.file}")
 
-        folder = hub.pull_source(source, on_progress=on_progress)
+        folder = edgeinfer.pull_source(source, on_progress=on_progress)
         bar.close()
         return Path(folder), source
     raise ConversionError(f"no such model folder: {source}")
@@ -98,12 +94,8 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     if not (quant_types or args.profile):
         return 0
-    try:
-        from ..quantize import quantize_model
-    except ImportError:
-        from ..errors import QuantizationError
+    from ..quantize import quantize_model
 
-        raise QuantizationError("--quant/--profile need the quantizer (edgeinfer.quantize), which is not installed") from None
     source_ref = m.ref if m is not None else str(result.path)
     for qtype in quant_types or [None]:
         qbar = ProgressBar(f"quantizing {qtype or args.profile}", None, unit="")

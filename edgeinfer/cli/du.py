@@ -22,9 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_du(args: argparse.Namespace) -> int:
-    from .. import hub
+    import edgeinfer
 
-    du = hub.disk_usage()
+    du = edgeinfer.disk_usage()
     rows = [
         [r.ref, format_bytes(r.store_bytes) if r.store_bytes else "-", format_bytes(r.cache_bytes) if r.cache_files else "-", str(r.cache_files)]
         for r in du.rows

@@ -107,9 +107,7 @@ def remove_models(args: argparse.Namespace) -> int:
     for ref in args.models:
         manifest = store.get(ref)
         if args.purge_cache:
-            from edgeinfer import hub
-
-            hub.purge_cache(manifest)
+            edgeinfer.purge_cache(manifest)
         store.remove(ref)
         kept = "" if manifest.owned else " (file kept: the store does not own it)"
         print(f"removed {manifest.ref}{kept}")

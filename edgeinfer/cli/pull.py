@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ._common import ProgressBar, common_options, format_bytes
+
+if TYPE_CHECKING:
+    from edgeinfer import PullEvent, PullPlan
 
 __all__ = ["register"]
 
@@ -31,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_pull)
 
 
-def _describe(plan: Any) -> list[str]:
+def _describe(plan: PullPlan) -> list[str]:
     lines = [
         f"{plan.repo} @ {plan.revision} ({plan.commit[:12]}): {plan.kind}, {plan.quant}"
         + (f" — {plan.note}" if plan.note else "")
@@ -78,11 +81,12 @@ class _FileBar(ProgressBar):
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from .. import hub
-    from ..errors import Cancelled
+    import edgeinfer
+    from edgeinfer.convert import ConvertProgress
+    from edgeinfer.quantize import QuantizeProgress
 
     kwargs = dict(revision=args.revision, token=args.token, profile=args.profile, quant=args.quant, keep_f16=args.keep_f16)
-    plan = hub.plan(args.spec, **kwargs)
+    plan = edgeinfer.plan(args.spec, **kwargs)
     for line in _describe(plan):
         print(line, file=sys.stderr)
     if plan.fits_ram is False and not args.yes:
@@ -102,8 +106,8 @@ def run_pull(args: argparse.Namespace) -> int:
             stage_bar[0].close()
             stage_bar[0] = None
 
-    def on_progress(ev: Any) -> None:
-        if isinstance(ev, hub.DownloadProgress):
+    def on_progress(ev: PullEvent) -> None:
+        if isinstance(ev, edgeinfer.DownloadProgress):
             label = f"[{ev.index}/{ev.count}] {ev.file}"
             bar = bars.get(ev.file)
             if bar is None:
@@ -116,14 +120,14 @@ def run_pull(args: argparse.Namespace) -> int:
                 open_bars.pop(ev.file, None)
             else:
                 open_bars[ev.file] = bar
-        elif isinstance(ev, hub.PullStage):
+        elif isinstance(ev, edgeinfer.PullStage):
             close_stage()
             print(f"{ev.stage}: {ev.message}", file=sys.stderr)
-        elif hasattr(ev, "bytes_done") and hasattr(ev, "bytes_total"):  # the converter's progress
+        elif isinstance(ev, ConvertProgress):
             if stage_bar[0] is None:
                 stage_bar[0] = ProgressBar("converting", ev.bytes_total, unit="B")
             stage_bar[0].update(ev.bytes_done, ev.bytes_total)
-        elif hasattr(ev, "tensor_index") and hasattr(ev, "n_tensors"):  # the quantizer's progress
+        elif isinstance(ev, QuantizeProgress):
             if stage_bar[0] is None or stage_bar[0].unit == "B":
                 close_stage()
                 stage_bar[0] = ProgressBar("quantizing", ev.n_tensors, unit="")
@@ -131,12 +135,12 @@ def run_pull(args: argparse.Namespace) -> int:
 
     try:
         try:
-            result = hub.pull(args.spec, **kwargs, on_progress=on_progress)
+            result = edgeinfer.pull(args.spec, **kwargs, on_progress=on_progress)
         finally:  # end the bars' lines before any message
             close_stage()
             for bar in open_bars.values():
                 bar.close()
-    except (KeyboardInterrupt, Cancelled):
+    except (KeyboardInterrupt, edgeinfer.Cancelled):
         print("edgeinfer: pull interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     m = result.manifest

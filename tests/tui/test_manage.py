@@ -96,7 +96,7 @@ def test_progress_events_of_the_library_map_to_bars():
     from edgeinfer_tui.backend import progress_from_event
 
     if importlib.util.find_spec("edgeinfer.hub"):
-        from edgeinfer.hub import DownloadProgress, PullStage
+        from edgeinfer import DownloadProgress, PullStage
 
         p = progress_from_event(DownloadProgress(file="a.gguf", done=5, total=10, rate=1.0, index=2, count=3), "pull")
         assert (p.key, p.done, p.total, p.message) == ("a.gguf", 5, 10, None)
