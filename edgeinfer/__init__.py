@@ -12,8 +12,17 @@ This package never imports textual or rich; front ends render its events.
 from __future__ import annotations
 
 from .engine import Engine, Generation, load
-from .engine.events import DoneEvent, Event, GenerationStats, SpeculationStats, TokenEvent
-from .engine.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
+from .engine.events import DoneEvent, Event, GenerationStats, SpeculationProgress, SpeculationStats, TokenEvent
+from .engine.options import (
+    DEFAULT_GENERATE,
+    DEFAULT_LOAD,
+    DEFAULT_SAMPLING,
+    DEFAULT_SPECULATION,
+    GenerateOptions,
+    LoadOptions,
+    SamplingOptions,
+    SpeculationOptions,
+)
 from .errors import (
     AuthenticationError,
     Cancelled,
@@ -21,6 +30,8 @@ from .errors import (
     ConversionError,
     DiskSpaceError,
     EdgeInferError,
+    EngineBusyError,
+    EngineClosedError,
     HubError,
     IncompatibleDraftError,
     IntegrityError,
@@ -33,8 +44,6 @@ from .errors import (
     StoreError,
 )
 from .gguf_file import GGUFInfo, TensorInfo, read_gguf
-from .hub import DiskUsage, DiskUsageRow, DownloadProgress, disk_usage, purge_cache
-from .pull import PullEvent, PullPlan, PullResult, PullStage, plan, pull, pull_source
 from .store import DEFAULT_MODEL, ModelManifest, Store
 
 __version__ = "0.1.0"
@@ -48,11 +57,16 @@ __all__ = [
     "GenerateOptions",
     "SamplingOptions",
     "SpeculationOptions",
+    "DEFAULT_LOAD",
+    "DEFAULT_SAMPLING",
+    "DEFAULT_SPECULATION",
+    "DEFAULT_GENERATE",
     "Event",
     "TokenEvent",
     "DoneEvent",
     "GenerationStats",
     "SpeculationStats",
+    "SpeculationProgress",
     # the store and files
     "Store",
     "ModelManifest",
@@ -60,19 +74,6 @@ __all__ = [
     "read_gguf",
     "GGUFInfo",
     "TensorInfo",
-    # pulling from the Hugging Face Hub
-    "pull",
-    "plan",
-    "pull_source",
-    "PullPlan",
-    "PullResult",
-    "PullStage",
-    "PullEvent",
-    "DownloadProgress",
-    "disk_usage",
-    "purge_cache",
-    "DiskUsage",
-    "DiskUsageRow",
     # errors
     "EdgeInferError",
     "ModelNotFoundError",
@@ -89,5 +90,7 @@ __all__ = [
     "QuantizationError",
     "SpeculationError",
     "IncompatibleDraftError",
+    "EngineClosedError",
+    "EngineBusyError",
     "Cancelled",
 ]

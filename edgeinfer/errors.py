@@ -19,6 +19,8 @@ __all__ = [
     "QuantizationError",
     "SpeculationError",
     "IncompatibleDraftError",
+    "EngineClosedError",
+    "EngineBusyError",
     "Cancelled",
 ]
 
@@ -85,6 +87,15 @@ class SpeculationError(EdgeInferError, ValueError):
 
 class IncompatibleDraftError(SpeculationError):
     """A draft model whose vocabulary does not match the target's."""
+
+
+class EngineClosedError(EdgeInferError, RuntimeError):
+    """A call on an engine (or a generation of it) after `Engine.close()`."""
+
+
+class EngineBusyError(EdgeInferError, RuntimeError):
+    """A request from the thread whose own earlier request is still unfinished (it would wait for
+    itself for ever): finish, cancel or close the earlier generation first."""
 
 
 class Cancelled(EdgeInferError):

@@ -8,8 +8,8 @@ then registered with `derived_from` = the source. The C call cannot be interrupt
 worker thread; Ctrl-C in the calling thread waits for it to return, deletes the partial file and
 re-raises, so an interrupted or failed run leaves neither a store entry nor a stray file.
 
-There is no progress callback in llama.cpp; it logs one line per tensor, which is captured with
-`llama_log_set` while the call runs (the previous logger is restored afterwards).
+There is no progress callback in llama.cpp; it logs one line per tensor, which is captured
+(`llama_backend.log_capture`) while the call runs.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidOptionError, QuantizationError, StoreError
 from .fsutil import atomic_path, ensure_free_space
 from .gguf_file import GGUFInfo, read_gguf
+from .llama_backend import backend, log_capture
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class QuantizeResult:
 
 
 def _binding() -> Any:
-    import llama_cpp
+    llama_cpp = backend()
 
     version = getattr(llama_cpp, "__version__", "?")
     size = ctypes.sizeof(llama_cpp.llama_model_quantize_params)
@@ -252,23 +253,8 @@ class _LogCapture:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        try:  # the engine owns the process-wide llama.cpp logger when it is present
-            from .engine.llama import log_capture
-        except ImportError:
-            log_capture = None
-        if log_capture is not None:
-            with log_capture(self.feed):
-                yield
-            return
-        ll = self.ll
-        cb = ll.llama_log_callback(lambda level, text, _ud: self.feed(level, text.decode("utf-8", "replace") if text else ""))
-        prev_cb, prev_ud = ll.llama_log_callback(), ctypes.c_void_p()
-        ll.llama_log_get(ctypes.byref(prev_cb), ctypes.byref(prev_ud))
-        ll.llama_log_set(cb, ctypes.c_void_p(0))
-        try:
+        with log_capture(self.feed):  # llama_backend owns the process-wide llama.cpp logger
             yield
-        finally:
-            ll.llama_log_set(prev_cb, prev_ud)
 
     def error_message(self) -> str:
         for line in reversed(self.lines):

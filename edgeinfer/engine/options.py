@@ -1,4 +1,10 @@
-"""Options for loading a model and for one generation request, grouped in small dataclasses."""
+"""Options for loading a model and for one generation request, grouped in small dataclasses.
+
+The dataclass defaults are the one source of every default; front ends read them from
+DEFAULT_LOAD, DEFAULT_SAMPLING, DEFAULT_SPECULATION and DEFAULT_GENERATE rather than repeating
+numbers. `validate()` refuses wrong types and values outside what the C side can hold with one
+InvalidOptionError line.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import InvalidOptionError
+from ..llama_backend import THREADS_PER_CORE, max_threads
+from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
 
 __all__ = [
     "KVType",
@@ -17,11 +25,34 @@ __all__ = [
     "GenerateOptions",
     "KV_TYPES",
     "SPECULATION_METHODS",
+    "DEFAULT_LOAD",
+    "DEFAULT_SAMPLING",
+    "DEFAULT_SPECULATION",
+    "DEFAULT_GENERATE",
 ]
 
-KVType = Literal["f16", "q8_0", "q4_0"]
-KV_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0")
+KVType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
+KV_TYPES: tuple[str, ...] = KV_TYPE_NAMES  # edgeinfer.kv_types: the one list
 SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "draft", "self", "auto")
+
+_INT32_MAX = 2**31 - 1  # llama.cpp takes counts and sizes as int32/uint32: larger ones would wrap
+
+
+def _int(owner: str, name: str, value: object, lo: int, hi: int = _INT32_MAX) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidOptionError(f"{owner}{name} must be an integer, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidOptionError(f"{owner}{name} must be in [{lo}, {hi}], got {value}")
+
+
+def _number(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or math.isinf(value):
+        raise InvalidOptionError(f"{owner}{name} must be a finite number, got {value!r}")
+
+
+def _instance(owner: str, name: str, value: object, kind: type | tuple[type, ...], what: str) -> None:
+    if not isinstance(value, kind):
+        raise InvalidOptionError(f"{owner}{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -31,18 +62,34 @@ class LoadOptions:
     n_ctx: int | None = None  # None: min(model's trained context, 4096)
     n_threads: int | None = None  # None: all cores
     n_batch: int = 512
-    kv_type: str = "f16"  # type of both K and V caches
+    kv_type: str = "f16"  # type of both K and V caches (edgeinfer.kv_types.KV_TYPE_NAMES)
     flash_attn: bool | None = None  # None: on when the V cache is quantized (llama.cpp needs it there)
+    kv_type_k: str | None = None  # K cache type; None: kv_type
+    kv_type_v: str | None = None  # V cache type; None: kv_type
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """The (K, V) cache types in effect."""
+        return (self.kv_type_k or self.kv_type).lower(), (self.kv_type_v or self.kv_type).lower()
 
     def validate(self) -> LoadOptions:
+        if self.n_ctx is not None:
+            _int("", "context size", self.n_ctx, -_INT32_MAX)
         if self.n_ctx is not None and self.n_ctx < 16:
             raise InvalidOptionError(f"context size must be at least 16, got {self.n_ctx}")
-        if self.n_threads is not None and self.n_threads < 1:
-            raise InvalidOptionError(f"threads must be at least 1, got {self.n_threads}")
-        if self.n_batch < 1:
-            raise InvalidOptionError(f"batch size must be at least 1, got {self.n_batch}")
-        if self.kv_type not in KV_TYPES:
-            raise InvalidOptionError(f"unknown KV-cache type {self.kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        if self.n_threads is not None:
+            _int("", "threads", self.n_threads, -_INT32_MAX)
+            if not 1 <= self.n_threads <= max_threads():
+                raise InvalidOptionError(f"threads must be in [1, {max_threads()}] ({THREADS_PER_CORE} per CPU core), "
+                                         f"got {self.n_threads}")
+        _int("", "batch size", self.n_batch, 1)
+        _instance("", "kv_type", self.kv_type, str, "a string")
+        _instance("", "flash_attn", self.flash_attn, (bool, type(None)), "True, False or None")
+        for name in ("kv_type_k", "kv_type_v"):
+            if getattr(self, name) is not None:
+                _instance("", name, getattr(self, name), str, "a string or None")
+        kv_cache_type(self.kv_type)
+        flash_attn_for(*self.kv_types, self.flash_attn)  # unknown types; quantized V with flash attention off
         return self
 
     @property
@@ -71,9 +118,11 @@ class SamplingOptions:
             return InvalidOptionError(f"invalid sampling option: {msg}")
 
         for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
-                raise bad(f"{name} must be a finite number, got {v!r}")
+            _number("invalid sampling option: ", name, getattr(self, name))
+        _int("invalid sampling option: ", "top_k", self.top_k, -_INT32_MAX)
+        _int("invalid sampling option: ", "repeat_last_n", self.repeat_last_n, -_INT32_MAX)
+        if self.seed is not None:
+            _int("invalid sampling option: ", "seed", self.seed, -(2**63), 2**63)
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -108,6 +157,13 @@ class SpeculationOptions:
     adaptive: bool = True
 
     def validate(self) -> SpeculationOptions:
+        _instance("speculation ", "method", self.method, str, "a string")
+        _instance("speculation ", "draft_model", self.draft_model, (str, os.PathLike, type(None)), "a model name or path")
+        _instance("speculation ", "self_quant", self.self_quant, str, "a quant type name")
+        _int("", "draft_max", self.draft_max, -_INT32_MAX)
+        _int("", "draft_min", self.draft_min, -_INT32_MAX)
+        _number("", "p_min", self.p_min)
+        _instance("speculation ", "adaptive", self.adaptive, bool, "True or False")
         if self.method not in SPECULATION_METHODS:
             raise InvalidOptionError(
                 f"unknown speculation method {self.method!r}: choose one of {', '.join(SPECULATION_METHODS)}"
@@ -149,13 +205,31 @@ class GenerateOptions:
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
 
     def validate(self) -> GenerateOptions:
+        _int("", "max_tokens", self.max_tokens, -_INT32_MAX)
         if self.max_tokens < 1:
             raise InvalidOptionError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)):
+            raise InvalidOptionError(f"stop must be a tuple of strings, got {type(self.stop).__name__} {self.stop!r}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidOptionError("stop strings must be strings")
         if any(not s for s in self.stop):
             raise InvalidOptionError("stop strings must not be empty")
+        _instance("", "sampling", self.sampling, SamplingOptions, "SamplingOptions")
+        _instance("", "speculation", self.speculation, SpeculationOptions,
+                  "SpeculationOptions (SpeculationOptions.parse('lookup') reads the CLI form)")
         self.sampling.validate()
         self.speculation.validate()
         return self
 
     def with_sampling(self, **changes: object) -> GenerateOptions:
-        return replace(self, sampling=replace(self.sampling, **changes))  # type: ignore[arg-type]
+        try:
+            return replace(self, sampling=replace(self.sampling, **changes))  # type: ignore[arg-type]
+        except TypeError as e:  # an unknown field name
+            raise InvalidOptionError(f"invalid sampling option: {e}") from None
+
+
+# The defaults, for front ends to show and to use (one source: the dataclass fields above).
+DEFAULT_LOAD = LoadOptions()
+DEFAULT_SAMPLING = SamplingOptions()
+DEFAULT_SPECULATION = SpeculationOptions()
+DEFAULT_GENERATE = GenerateOptions()

@@ -10,7 +10,8 @@ import os
 
 import numpy as np
 
-from .llama import LlamaRuntime, backend
+from ..llama_backend import backend
+from .llama import LlamaRuntime, set_fields
 from .options import SamplingOptions
 
 __all__ = ["Sampler"]
@@ -27,8 +28,7 @@ class Sampler:
         if self._argmax_only:
             return
         ll = backend()
-        params = ll.llama_sampler_chain_default_params()
-        params.no_perf = True
+        params = set_fields(ll.llama_sampler_chain_default_params(), no_perf=True)
         chain = ll.llama_sampler_chain_init(params)
         add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
         if options.repeat_penalty != 1.0:

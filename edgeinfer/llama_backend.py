@@ -1,0 +1,130 @@
+"""llama.cpp's process-wide state: backend initialisation and its log.
+
+The bottom of everything that calls llama.cpp (the engine, the quantizer, evaluation): it imports
+nothing of edgeinfer but the errors. llama.cpp logs through one process-wide callback; here every
+complete line goes to the `edgeinfer.llama_cpp` logger at DEBUG level (quiet unless a front end
+asks, e.g. the CLI's --verbose) and, while a `log_capture` block runs, to its sink as well (the
+quantizer's per-tensor progress). Nothing is printed to stderr by llama.cpp itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "LOGGER_NAME", "THREADS_PER_CORE"]
+
+LOGGER_NAME = "edgeinfer.llama_cpp"
+_logger = logging.getLogger(LOGGER_NAME)
+
+# ggml_log_level: NONE 0, INFO 1, WARN 2, ERROR 3, DEBUG 4, CONT 5 (continues the previous line).
+_LEVEL_NAMES = {2: "warning", 3: "error"}
+_CONT = 5
+
+_lock = threading.Lock()
+_lines_lock = threading.Lock()
+_ready = False
+_sinks: list[Callable[[int, str], None]] = []
+_callback_ref: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
+_partial = ""  # the start of a line whose end has not arrived yet
+_partial_level = 1
+_recent: deque[str] = deque(maxlen=50)
+
+# More llama.cpp threads than this per core only thrash (`--threads 9999` took a machine's load to ~1,000).
+THREADS_PER_CORE = 4
+
+
+def max_threads() -> int:
+    """The most threads llama.cpp may be given (decoding, quantizing): a small multiple of the CPUs."""
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
+def backend() -> Any:
+    """Import llama_cpp and initialise the backend once; route llama.cpp's log to our logger."""
+    global _ready, _callback_ref
+    import llama_cpp
+
+    with _lock:
+        if not _ready:
+            llama_cpp.llama_backend_init()
+            _callback_ref = llama_cpp.llama_log_callback(_on_log)
+            llama_cpp.llama_log_set(_callback_ref, ctypes.c_void_p(0))
+            atexit.register(_close_binding_devnull)
+            _ready = True
+    return llama_cpp
+
+
+def _on_log(level: int, text: bytes | None, _user: Any) -> None:
+    # An exception cannot cross into C (ctypes would print and drop it): keep this infallible.
+    try:
+        message = text.decode("utf-8", errors="replace") if text else ""
+        for sink in list(_sinks):
+            try:
+                sink(level, message)
+            except Exception:  # noqa: BLE001 - a sink's own error handling is its business
+                _logger.debug("a llama.cpp log sink raised", exc_info=True)
+        _to_logger(level, message)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def _to_logger(level: int, message: str) -> None:
+    """Assemble fragments into lines; each complete line becomes one record."""
+    global _partial, _partial_level
+    with _lines_lock:
+        if level != _CONT and not _partial:
+            _partial_level = level
+        _partial += message
+        if "\n" not in _partial:
+            return
+        *lines, _partial = _partial.split("\n")
+        line_level = _partial_level
+    for line in lines:
+        if not line.strip():
+            continue
+        _recent.append(line)
+        if _logger.isEnabledFor(logging.DEBUG):
+            kind = _LEVEL_NAMES.get(line_level)
+            _logger.debug("%s%s", f"{kind}: " if kind else "", line)
+
+
+def recent_log_lines(n: int = 10) -> list[str]:
+    """The last `n` complete lines llama.cpp logged in this process (for error messages)."""
+    return list(_recent)[-n:]
+
+
+@contextlib.contextmanager
+def log_capture(sink: Callable[[int, str], None]) -> Iterator[None]:
+    """Also send llama.cpp's raw log fragments (level, text) to `sink` while the block runs.
+
+    The sink is called from whatever thread llama.cpp logs in; what it raises is logged and
+    dropped (it must never reach C), so a sink that wants to stop work records the error itself.
+    """
+    backend()
+    _sinks.append(sink)
+    try:
+        yield
+    finally:
+        _sinks.remove(sink)
+
+
+def _close_binding_devnull() -> None:
+    """llama-cpp-python opens os.devnull twice when imported (llama_cpp/_utils.py, for its
+    stdout/stderr suppression) and never closes the files, so every process that imported it
+    ended with two `ResourceWarning: unclosed file ... /dev/null` lines. Close them at exit,
+    when nothing can use them any more."""
+    import sys
+
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        f = getattr(utils, name, None)
+        if f is not None:
+            with contextlib.suppress(Exception):
+                f.close()
