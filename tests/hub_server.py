@@ -428,16 +428,52 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def tiny_gguf(path: Path, quant: str, rows: int = 8, seed: int = 0) -> Path:
-    """A small valid GGUF (one F32 tensor of `rows` x 256) whose general.file_type says `quant`."""
+    """A small complete GGUF that llama.cpp loads: a one-layer llama (embedding 256, one 32-wide
+    attention head, feed-forward 32) with a sentencepiece vocabulary of max(rows, 259) tokens (the
+    259 are <unk>, <s>, </s> and the 256 byte tokens, so any text tokenizes). Its size grows with
+    `rows` as before (rows x 1 KiB: the F32 embedding); general.file_type says `quant` (the
+    weights are F32/F16 whatever it says: only the label matters to pulls)."""
     import gguf
     import numpy as np
+
+    n_embd, head, n_ff = 256, 32, 32
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"▁t{i}" for i in range(len(tokens), max(rows, len(tokens)))]
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float16)
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"tiny-{quant}")
     w.add_context_length(64)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{quant.upper()}"))
-    rng = np.random.default_rng(seed)
-    w.add_tensor("token_embd.weight", rng.standard_normal((rows, 256)).astype(np.float32))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))  # unknown, control, byte, normal
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", weight(len(tokens), n_embd).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", weight(head, n_embd))
+    w.add_tensor("blk.0.attn_k.weight", weight(head, n_embd))
+    w.add_tensor("blk.0.attn_v.weight", weight(head, n_embd))
+    w.add_tensor("blk.0.attn_output.weight", weight(n_embd, head))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", weight(n_ff, n_embd))
+    w.add_tensor("blk.0.ffn_up.weight", weight(n_ff, n_embd))
+    w.add_tensor("blk.0.ffn_down.weight", weight(n_embd, n_ff))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
