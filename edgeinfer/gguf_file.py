@@ -245,7 +245,15 @@ class _Cursor:
         maps an empty token i to "[EMPTY_i]"). Keeps one 8-byte hash per token, not the texts."""
         start = self.pos
         hashes = array("q")
-        self.walk_strings(key, length, _MAX_TOKEN, lambda _i, text: hashes.append(hash(text)))
+
+        def add(i: int, text: bytes) -> None:
+            try:
+                text.decode("utf-8")  # llama.cpp's tokenizer throws (uncaught) on a token that is not
+            except UnicodeDecodeError:
+                raise self.fail(f"element {i} of {key!r} is not UTF-8") from None
+            hashes.append(hash(text))
+
+        self.walk_strings(key, length, _MAX_TOKEN, add)
         ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))
         equal = ordered[1:] == ordered[:-1]
         if not equal.any():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+__all__ = ["probe", "main"]
+
 # Bytes beyond ASCII and a newline: byte-fallback and pre-tokenizer paths are exercised too.
 _TEXT = "Hello, world!\nÜber 東京 ✓ 123"
 

@@ -348,8 +348,10 @@ def _check_tensors(info: GGUFInfo, n_layer: int, n_vocab: int) -> None:
         if m and int(m.group(1)) >= n_layer:
             raise _fail(info, f"tensor {t.name!r} belongs to a layer past block_count ({n_layer})")
     arch = info.architecture
-    if arch not in _LAYER_TENSORS:
-        return  # an architecture we do not convert: llama.cpp's own checks (shapes, counts) apply
+    if arch not in _LAYER_TENSORS or _split_count(info) > 1:
+        # an architecture we do not convert, or one part of a split file (the tensors are spread
+        # over the parts): llama.cpp's own checks of shapes and counts apply
+        return
     p = f"{arch}."
     n_embd = info.metadata[p + "embedding_length"]
     expect = {"token_embd.weight": (n_embd, n_vocab), "output_norm.weight": (n_embd,), "output.weight": (n_embd, n_vocab)}
@@ -376,6 +378,11 @@ def _check_tensors(info: GGUFInfo, n_layer: int, n_vocab: int) -> None:
         norm = by_name[f"blk.{i}.attn_norm.weight"]
         if norm.shape != (n_embd,):
             raise _fail(info, f"tensor {norm.name!r} has shape {list(norm.shape)}, expected [{n_embd}]")
+
+
+def _split_count(info: GGUFInfo) -> int:
+    count = info.metadata.get("split.count", 1)
+    return count if isinstance(count, int) and not isinstance(count, bool) else 1
 
 
 # -- the child-process load -------------------------------------------------------------------------
@@ -472,10 +479,10 @@ class LoadChecks:
         """Probe `path` unless it (by content) loaded before or is trusted; return its sha256."""
         path = Path(path)
         sha = sha256 or self.known_sha256(path) or sha256_file(path)
-        if sha in TRUSTED_SHA256 or os.environ.get(PROBE_ENV) == "0":
+        if os.environ.get(PROBE_ENV) == "0":
             return sha
         size = path.stat().st_size
-        if (sha, size) in _passed_in_this_process or self.passed(sha, size):
+        if sha in TRUSTED_SHA256 or (sha, size) in _passed_in_this_process or self.passed(sha, size):
             if self.known_sha256(path) != sha:
                 self.remember(path, sha)
             return sha

@@ -15,6 +15,9 @@ import pytest
 # These machines are shared: OpenMP threads that spin while waiting make llama.cpp 10-20x slower
 # when another process holds a core. Passive waiting changes no result, only scheduling.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The first load of a never-seen GGUF runs in a child process (edgeinfer.validate, 1-4 s a file):
+# off for the suite's known-good files; the tests of that gate (tests/hostile) turn it on.
+os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
 
 # The user's real state must never be touched by a test. Remember what it looks like now, point
 # every platform default (and so every child process) at a sandbox, and fail any test after which

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,3 +136,96 @@ def test_engine_load_of_a_bad_file_never_kills_the_process(tmp_path, case):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("refused: bad.gguf: ")
+
+
+# -- the gate: validation, then one child-process load per file --------------------------------
+
+
+def test_register_refuses_what_llama_cpp_would_abort_on(tmp_path):
+    from edgeinfer import Store
+
+    store = Store()
+    bad = write_model(tmp_path / "bad.gguf", **CASES["F16 output_norm"][0])
+    with pytest.raises(InvalidModelError, match="output_norm.weight"):
+        store.register(bad, "bad", "f16norm", owned=False)
+    assert all(m.name != "bad" for m in store.list())
+
+
+@pytest.fixture
+def probes(monkeypatch) -> list[str]:
+    """The child-process load turned on, recorded instead of run (what is tested is when it runs)."""
+    import edgeinfer.validate as validate
+
+    calls: list[str] = []
+    monkeypatch.setenv(PROBE_ENV, "1")
+    monkeypatch.setattr(validate, "_passed_in_this_process", set())
+    monkeypatch.setattr(validate, "probe_load", lambda path, **_: calls.append(Path(path).name))
+    return calls
+
+
+def test_a_file_is_probed_once_then_remembered(tmp_path, probes):
+    import shutil
+
+    from edgeinfer import Store
+    from edgeinfer.validate import admit
+
+    store = Store()
+    first = write_model(tmp_path / "one.gguf")
+    admit(first, store)
+    admit(first, store)
+    assert probes == ["one.gguf"]
+    shutil.copy(first, tmp_path / "copy.gguf")  # the same bytes elsewhere: known by content
+    admit(tmp_path / "copy.gguf", store)
+    assert probes == ["one.gguf"]
+    other = write_model(tmp_path / "two.gguf", meta={"general.name": ("another", T.STRING)})
+    admit(other, store)
+    assert probes == ["one.gguf", "two.gguf"]
+
+
+def test_registration_records_the_check_in_the_manifest(tmp_path, probes):
+    from edgeinfer import Store
+    from edgeinfer.validate import admit
+
+    store = Store()
+    path = write_model(tmp_path / "m.gguf")
+    manifest = store.register(path, "sample", "f32", owned=False)
+    assert probes == ["m.gguf"]
+    assert manifest.load_checked == manifest.sha256
+    admit(path, Store(), store.get("sample:f32"))  # a fresh process: the manifest says it loaded
+    assert probes == ["m.gguf"]
+
+
+def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
+    import edgeinfer.validate as validate
+    from edgeinfer import Store
+
+    calls = []
+
+    def refuse(path, **_):
+        calls.append(path)
+        raise InvalidModelError(f"llama.cpp could not load {Path(path).name}: no")
+
+    monkeypatch.setenv(PROBE_ENV, "1")
+    monkeypatch.setattr(validate, "_passed_in_this_process", set())
+    monkeypatch.setattr(validate, "probe_load", refuse)
+    path = write_model(tmp_path / "m.gguf")
+    for _ in range(2):
+        with pytest.raises(InvalidModelError, match="llama.cpp could not load m.gguf"):
+            validate.admit(path, Store())
+    assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_register_refuses_what_only_llama_cpp_finds(tmp_path, monkeypatch):
+    """A file our rules let through (rope.dimension_count 8 for 16-wide heads: llama.cpp's llama
+    wants them equal) is refused by the real child-process load, in one line, and not registered."""
+    from edgeinfer import Store
+
+    monkeypatch.setenv(PROBE_ENV, "1")
+    path = write_model(tmp_path / "rot.gguf", meta={"llama.rope.dimension_count": (8, T.UINT32)})
+    validate_file(path)
+    store = Store()
+    with pytest.raises(InvalidModelError, match=r"^llama\.cpp could not load rot\.gguf: .*n_rot") as info:
+        store.register(path, "rot", "f32", owned=False)
+    assert "\n" not in str(info.value)
+    assert all(m.name != "rot" for m in store.list())
