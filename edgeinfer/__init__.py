@@ -44,6 +44,8 @@ from .errors import (
     StoreError,
 )
 from .gguf_file import GGUFInfo, TensorInfo, read_gguf
+from .hub import DiskUsage, DiskUsageRow, DownloadProgress, disk_usage, purge_cache
+from .pull import PullEvent, PullPlan, PullResult, PullStage, plan, pull, pull_source
 from .store import DEFAULT_MODEL, ModelManifest, Store
 
 __version__ = "0.1.0"
@@ -74,6 +76,19 @@ __all__ = [
     "read_gguf",
     "GGUFInfo",
     "TensorInfo",
+    # pulling from the Hugging Face Hub
+    "pull",
+    "plan",
+    "pull_source",
+    "PullPlan",
+    "PullResult",
+    "PullStage",
+    "PullEvent",
+    "DownloadProgress",
+    "disk_usage",
+    "purge_cache",
+    "DiskUsage",
+    "DiskUsageRow",
     # errors
     "EdgeInferError",
     "ModelNotFoundError",
