@@ -12,6 +12,7 @@ This package never imports textual or rich; front ends render its events.
 from __future__ import annotations
 
 from .engine import Engine, Generation, load
+from .engine.batch import BatchEngine, BatchGeneration, BatchMetrics, BatchOptions, ScoredTokenEvent, SlotMetrics
 from .engine.events import DoneEvent, Event, GenerationStats, SpeculationProgress, SpeculationStats, TokenEvent
 from .engine.options import (
     DEFAULT_GENERATE,
@@ -55,6 +56,13 @@ __all__ = [
     "load",
     "Engine",
     "Generation",
+    # parallel requests (servers)
+    "BatchEngine",
+    "BatchOptions",
+    "BatchGeneration",
+    "BatchMetrics",
+    "SlotMetrics",
+    "ScoredTokenEvent",
     "LoadOptions",
     "GenerateOptions",
     "SamplingOptions",
