@@ -9,7 +9,7 @@ the vendored llama.cpp (llama-model.cpp `load_hparams`, llama-vocab.cpp `load`, 
 checks apply.
 
 No list of rules is complete, so a file never loaded before is first loaded by llama.cpp in a
-child process (`probe_load`, see `edgeinfer.load_probe`): an abort there becomes
+child process (`probe_load`, running the script `edgeinfer/load_probe.py`): an abort there becomes
 InvalidModelError("llama.cpp could not load X: <its last log line>") and this process lives.
 `LoadChecks` remembers files that passed (sha256 + size, in the store's cache; store manifests
 record it as `load_checked`) so the child runs once per file. `admit` is the whole gate.
@@ -397,7 +397,7 @@ def probe_load(path: str | Path, *, timeout: float | None = None) -> None:
     if timeout is None:
         timeout = 60.0 + 30.0 * size / 1e9  # a first, cold load reads the whole file
     env = dict(os.environ, GGML_NO_BACKTRACE="1", OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "edgeinfer.load_probe", str(path)]
+    cmd = [sys.executable, "-I", str(Path(__file__).with_name("load_probe.py")), str(path)]
     started = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
@@ -421,7 +421,7 @@ def _last_log_line(stderr: str) -> str:
         if hits:
             line = _SOURCE_DIR_RE.sub("", hits[-1].split("edgeinfer-probe:", 1)[-1].strip())
             return line[:300]
-    return lines[-1][:300] if lines else ""
+    return _SOURCE_DIR_RE.sub("", lines[-1])[:300] if lines else ""
 
 
 # The build directory in front of a source file name ("/tmp/pip-.../src/llama-vocab.cpp:2544:").
@@ -478,9 +478,9 @@ class LoadChecks:
     def ensure_loads(self, path: Path, sha256: str | None = None) -> str:
         """Probe `path` unless it (by content) loaded before or is trusted; return its sha256."""
         path = Path(path)
-        sha = sha256 or self.known_sha256(path) or sha256_file(path)
         if os.environ.get(PROBE_ENV) == "0":
-            return sha
+            return sha256 or sha256_file(path)
+        sha = sha256 or self.known_sha256(path) or sha256_file(path)
         size = path.stat().st_size
         if sha in TRUSTED_SHA256 or (sha, size) in _passed_in_this_process or self.passed(sha, size):
             if self.known_sha256(path) != sha:
@@ -498,6 +498,8 @@ def admit(path: str | Path, cache: _Cache, manifest: Any = None) -> GGUFInfo:
     store model) spares the child when its `load_checked` matches its sha256 and size."""
     path = Path(path)
     info = validate_file(path)
+    if os.environ.get(PROBE_ENV) == "0":
+        return info
     if manifest is not None:
         checked = getattr(manifest, "load_checked", None)
         if checked is not None and checked == manifest.sha256 and manifest.size == info.file_size:

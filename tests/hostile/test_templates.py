@@ -124,3 +124,26 @@ def test_bad_messages_are_option_errors():
 
 def test_template_error_is_an_edgeinfer_error():
     assert issubclass(ChatTemplateError, EdgeInferError)
+
+
+def test_engine_with_an_unusable_template_says_so_and_chatml_is_there_on_request(tmp_path):
+    """A model whose own template is broken: `chat` fails in one line, the engine stays usable,
+    and the built-in ChatML template works when asked for."""
+    from gguf import GGUFValueType
+
+    import edgeinfer
+
+    from .gguf_samples import write_model
+
+    broken = "{% for m in messages %}{{ m['content'] }"
+    path = write_model(tmp_path / "broken.gguf", meta={"tokenizer.chat_template": (broken, GGUFValueType.STRING)})
+    with edgeinfer.load(path, n_ctx=64, n_threads=1) as engine:
+        with pytest.raises(ChatTemplateError, match="^chat template of broken.gguf failed: syntax error") as info:
+            engine.chat(MESSAGES)
+        assert "\n" not in str(info.value)
+        engine.chat_template = "chatml"
+        assert engine.render_chat(MESSAGES).startswith("<|im_start|>user\nHi<|im_end|>\n")
+        done = engine.chat(MESSAGES, edgeinfer.GenerateOptions(max_tokens=2)).result()
+        assert done.tokens
+        with pytest.raises(InvalidOptionError):
+            engine.chat_template = ""
