@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidOptionError, QuantizationError, StoreError
-from .fsutil import atomic_path, ensure_free_space
+from .fsutil import atomic_path, ensure_free_space, no_space_error
 from .gguf_file import GGUFInfo, read_gguf
 from .llama_backend import backend, log_capture
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
@@ -55,6 +56,8 @@ PARAMS_SIZE = 64
 _PINNED_BINDING = "0.3.36"
 
 _QUANTIZE_LOCK = threading.Lock()
+MAX_THREADS_PER_CPU = 4  # more threads than this only add contention (and 9,999 took the machine down)
+_FULL_DISK_SLACK = 8 << 20  # a failed write with less free than this was a full disk
 _TENSOR_RE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[[^\]]*\],\s*type\s*=\s*(\w+)")
 _CONVERT_RE = re.compile(r"converting to (\w+)")
 
@@ -266,6 +269,27 @@ class _LogCapture:
         return "llama_model_quantize returned an error"
 
 
+def _disk_full(path: Path) -> bool:
+    """Whether the file system of `path` is (nearly) full: the cause of a write that failed."""
+    try:
+        return shutil.disk_usage(path.parent).free < _FULL_DISK_SLACK
+    except OSError:
+        return False
+
+
+def _check_threads(n_threads: int | None) -> int:
+    """A thread count that fits llama.cpp's int and this machine (None: every core)."""
+    cpus = os.cpu_count() or 1
+    if n_threads is None:
+        return cpus
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int):
+        raise InvalidOptionError(f"threads must be an integer, got {n_threads!r}")
+    if not 1 <= n_threads <= MAX_THREADS_PER_CPU * cpus:
+        raise InvalidOptionError(f"threads must be between 1 and {MAX_THREADS_PER_CPU * cpus} "
+                                 f"({MAX_THREADS_PER_CPU} × {cpus} CPUs), got {n_threads}")
+    return n_threads
+
+
 def _run_uninterruptible(fn: Callable[[], int]) -> int:
     """Run a C call that cannot be interrupted in a worker thread; a Ctrl-C meanwhile waits for it.
 
@@ -318,7 +342,7 @@ def quantize_model(
     Explicit `output_type` / `embedding_type` / `overrides` add to (and win over) the profile's.
     A source that already holds quantized weights needs `allow_requantize=True` (warned about).
     """
-    from .store import Store
+    from .store import DEFAULT_MODEL, Store
 
     store = store or Store()
     if isinstance(profile, str):
@@ -332,6 +356,7 @@ def quantize_model(
     qtype = qtype.upper()
     if qtype not in QUANT_TYPES:
         raise InvalidOptionError(f"unknown quant type {qtype!r}: choose one of {', '.join(QUANT_TYPES)}")
+    nthread = _check_threads(n_threads)
     custom = bool(output_type or embedding_type or tuple(overrides))
     out_t = _check_tensor_type("output tensor", output_type or (profile.output_type if profile else None))
     emb_t = _check_tensor_type("token embedding", embedding_type or (profile.embedding_type if profile else None))
@@ -352,11 +377,14 @@ def quantize_model(
     src_ref = src_manifest.ref if src_manifest else str(Path(src_path).resolve())
     quantized_src = sorted({t.type_name for t in src_info.tensors
                             if len(t.shape) >= 2 and t.type_name not in ("F32", "F16", "BF16")})
-    if quantized_src:
+    # F32/F16/BF16 from a quantized file only dequantizes (F32 exactly, F16 up to its rounding): no flag
+    dequantize = qtype in ("F16", "BF16", "F32")
+    if quantized_src and not dequantize:
         if not allow_requantize:
             raise QuantizationError(
-                f"{src_ref} already holds quantized weights ({', '.join(quantized_src)}); quantizing again "
-                "compounds the error — start from an F16/BF16/F32 model, or pass --allow-requantize"
+                f"{src_ref} already holds quantized weights ({', '.join(quantized_src)}), so {qtype} would "
+                f"compound the error; next: quantize from an F16 model (`edgeinfer quantize {src_ref} --type F16`, "
+                "or convert/pull the original weights), or pass --allow-requantize"
             )
         warnings.warn(
             f"requantizing {src_ref} ({', '.join(quantized_src)} -> {qtype}): the result is worse than "
@@ -375,6 +403,8 @@ def quantize_model(
 
     out_name = name or _source_name(src_path, src_manifest)
     out_tag = tag or default_tag(qtype, profile, custom=custom, imatrix=imat is not None)
+    if f"{out_name}:{out_tag}" == DEFAULT_MODEL:
+        raise StoreError(f"{DEFAULT_MODEL} is the default model's name; choose another --name or --tag")
     target = store.model_path(out_name, out_tag)
     if store.find(f"{out_name}:{out_tag}") is not None and not overwrite:
         raise StoreError(f"{out_name}:{out_tag} is already in the store (remove it first, or choose another --name)")
@@ -386,9 +416,9 @@ def quantize_model(
                       f"the {qtype} copy of {src_ref}")
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = int(n_threads or os.cpu_count() or 1)
+    params.nthread = nthread
     params.ftype = QUANT_TYPES[qtype][0]
-    params.allow_requantize = bool(allow_requantize)
+    params.allow_requantize = bool(allow_requantize or (quantized_src and dequantize))
     params.quantize_output_tensor = True
     params.pure = False
     if out_t:
@@ -418,48 +448,55 @@ def quantize_model(
         keepalive.append(arr)
         params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
 
-    capture = _LogCapture(llama_cpp, on_progress)
-    started = time.monotonic()
-    # One quantization at a time per process: the log sink is process-wide, and llama.cpp already
-    # uses every core for one.
-    with _QUANTIZE_LOCK, atomic_path(target) as tmp:
-        with capture.installed():
-            rc = _run_uninterruptible(
-                lambda: llama_cpp.llama_model_quantize(str(src_path).encode(), str(tmp).encode(), ctypes.byref(params))
-            )
-        if capture.callback_error is not None:  # a front end's progress callback raised: give up cleanly
-            raise capture.callback_error
-        if rc != 0:
-            raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
-        read_gguf(tmp)  # validate before the file takes its final name
-        seconds = time.monotonic() - started
-    del keepalive
+    # The whole produce-and-register holds the name's writer lock: a second writer of the same
+    # name (another process or thread) fails at once instead of both "succeeding".
+    with store.writing(out_name, out_tag):
+        if store.find(f"{out_name}:{out_tag}") is not None and not overwrite:
+            raise StoreError(f"{out_name}:{out_tag} is already in the store (remove it first, or choose another --name)")
+        capture = _LogCapture(llama_cpp, on_progress)
+        started = time.monotonic()
+        # One quantization at a time per process: the log sink is process-wide, and llama.cpp already
+        # uses every core for one.
+        with _QUANTIZE_LOCK, atomic_path(target) as tmp:
+            with capture.installed():
+                rc = _run_uninterruptible(
+                    lambda: llama_cpp.llama_model_quantize(str(src_path).encode(), str(tmp).encode(), ctypes.byref(params))
+                )
+            if capture.callback_error is not None:  # a front end's progress callback raised: give up cleanly
+                raise capture.callback_error
+            if rc != 0:
+                if _disk_full(tmp):  # llama.cpp says only "basic_ios::clear: iostream error"
+                    raise no_space_error(target)
+                raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
+            read_gguf(tmp)  # validate before the file takes its final name
+            seconds = time.monotonic() - started
+        del keepalive
 
-    info = read_gguf(target)
-    try:
-        manifest = store.register(
-            target, out_name, out_tag,
-            source={"kind": "quantize", "qtype": qtype, "profile": profile.name if profile else None,
-                    "kv_type": profile.kv_type if profile else None,
-                    "output_type": out_t, "embedding_type": emb_t, "overrides": [list(o) for o in ovr],
-                    "imatrix": str(imatrix) if imatrix else None, "requantized": bool(quantized_src)},
-            derived_from=src_ref, owned=True, info=info,
+        info = read_gguf(target)
+        try:
+            manifest = store.register(
+                target, out_name, out_tag,
+                source={"kind": "quantize", "qtype": qtype, "profile": profile.name if profile else None,
+                        "kv_type": profile.kv_type if profile else None,
+                        "output_type": out_t, "embedding_type": emb_t, "overrides": [list(o) for o in ovr],
+                        "imatrix": str(imatrix) if imatrix else None, "requantized": bool(quantized_src)},
+                derived_from=src_ref, owned=True, info=info,
+            )
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+            raise
+        return QuantizeResult(
+            manifest=manifest,
+            path=target,
+            qtype=qtype,
+            bits_per_weight=info.bits_per_weight,
+            size=target.stat().st_size,
+            fallbacks=find_fallbacks(info, qtype, output_type=out_t, embedding_type=emb_t, overrides=ovr),
+            type_counts=info.type_counts(),
+            type_bytes=info.type_bytes(),
+            seconds=seconds,
+            requantized=bool(quantized_src),
+            source=src_ref,
+            log_tail=tuple(capture.lines[-20:]),
         )
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            target.unlink()
-        raise
-    return QuantizeResult(
-        manifest=manifest,
-        path=target,
-        qtype=qtype,
-        bits_per_weight=info.bits_per_weight,
-        size=target.stat().st_size,
-        fallbacks=find_fallbacks(info, qtype, output_type=out_t, embedding_type=emb_t, overrides=ovr),
-        type_counts=info.type_counts(),
-        type_bytes=info.type_bytes(),
-        seconds=seconds,
-        requantized=bool(quantized_src),
-        source=src_ref,
-        log_tail=tuple(capture.lines[-20:]),
-    )

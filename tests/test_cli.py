@@ -129,3 +129,55 @@ def test_no_default_model_says_how_to_get_it(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert_one_line_error(r, "pip install")
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_block(lang: str, containing: str) -> str:
+    import re
+
+    blocks = re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+    return next(b for b in blocks if containing in b)
+
+
+@pytest.mark.slow
+def test_readme_python_example_prints_the_stats_on_their_own_line(tmp_path):
+    code = _readme_block("python", "edgeinfer.load(").replace("max_tokens=200", "max_tokens=16")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.rstrip("\n").splitlines()[-1]
+    assert last.startswith("{") and last.endswith("}"), r.stdout  # the dict alone on the last line
+    assert len(r.stdout.strip().splitlines()) >= 2
+
+
+@pytest.mark.slow
+def test_readme_quantize_example_works_as_written():
+    """The README's quantize commands on the default model, exactly as written (the ladder is cut
+    to its first two types to keep the test short)."""
+    lines = [ln for ln in _readme_block("bash", "--type F16").splitlines() if ln.startswith("edgeinfer quantize")]
+    assert len(lines) == 2
+    for line in lines:
+        argv = line.split()[1:]
+        if "--types" in argv:
+            i = argv.index("--types") + 1
+            argv[i] = ",".join(argv[i].split(",")[:2])
+        r = cli(*argv)
+        assert r.returncode == 0, (line, r.stderr)
+    from edgeinfer import Store
+
+    store = Store()
+    assert store.get("smollm2-135m-instruct:f16").quant in ("F16", "MOSTLY_F16")
+    for tag in ("q3_k_m", "q4_k_m"):
+        m = store.get(f"smollm2-135m-instruct:{tag}")
+        assert m.derived_from == "smollm2-135m-instruct:f16"
+
+
+def test_requantize_error_says_the_next_step(capsys):
+    from edgeinfer.cli import main
+
+    assert main(["quantize", "smollm2-135m-instruct:q4_1", "--type", "Q3_K_M"]) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "next: " in lines[0] and "--type F16" in lines[0] and "--allow-requantize" in lines[0]

@@ -60,9 +60,13 @@ def test_register_copy_and_remove(tmp_path, default_model_path):
     store.remove("copy:q4_1")
     assert not target.exists()
     assert store.find("copy:q4_1") is None
-    # the default model is referenced, not owned: removing it keeps the file
-    store.remove(DEFAULT_MODEL)
-    assert default_model_path.exists()
+    # the default model cannot be removed (it would be back at once); purging forgets its manifest
+    with pytest.raises(edgeinfer.StoreError, match="cannot be removed"):
+        store.remove(DEFAULT_MODEL)
+    store.update_metrics(DEFAULT_MODEL, "eval", {"kld": 0.1})
+    store.remove(DEFAULT_MODEL, purge=True)
+    assert default_model_path.exists()  # referenced, not owned: the file stays
+    assert store.get(DEFAULT_MODEL).metrics == {}
 
 
 def test_name_with_several_tags_asks_to_pick(default_model_path):
@@ -81,6 +85,8 @@ def test_damaged_manifest_hides_one_model_only(edgeinfer_home, default_model_pat
     bad.write_text("{ not json")
     refs = [m.ref for m in store.list()]
     assert "good:x" in refs and "bad:x" not in refs
+    _, problems = store.scan()  # skipped, but never without a word
+    assert [p.path for p in problems] == [bad] and "not valid JSON" in str(problems[0])
 
 
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):

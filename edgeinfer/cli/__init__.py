@@ -13,15 +13,24 @@ import logging
 import os
 import pkgutil
 import sys
+import typing
 from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors (a bad flag value reads like every other error);
+    subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"edgeinfer: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._common import common_options
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edgeinfer",
         description="Local LLM runtime on llama.cpp: pull, convert, quantize, measure, run.",
         parents=[common_options()],
@@ -73,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a full disk, a permission problem: one line, not a traceback
         if debug:
             raise
+        from ..fsutil import NO_SPACE_ERRNOS, no_space_error
+
+        if e.errno in NO_SPACE_ERRNOS and e.filename:
+            e = no_space_error(e.filename)
         print(f"edgeinfer: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
         return 1
 

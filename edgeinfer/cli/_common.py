@@ -1,13 +1,34 @@
-"""Pieces shared by the CLI commands: common flags and a plain-text progress bar (no rich)."""
+"""Pieces shared by the CLI commands: common flags, bounded number types, prompt text decoding,
+and a plain-text progress bar (no rich)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["common_options", "ProgressBar", "format_bytes", "print_table"]
+__all__ = [
+    "common_options",
+    "ProgressBar",
+    "format_bytes",
+    "print_table",
+    "int_range",
+    "threads_type",
+    "ctx_type",
+    "INT32_MAX",
+    "UINT32_MAX",
+    "add_encoding_option",
+    "decode_bytes",
+    "argument_text",
+    "add_kv_options",
+    "kv_options",
+]
+
+INT32_MAX = 2**31 - 1  # a C int: every count llama.cpp takes (threads, tokens, top-k, context)
+UINT32_MAX = 2**32 - 1  # the sampler seed
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -17,6 +38,102 @@ def common_options() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                    help="show edgeinfer's diagnostics on stderr (-vv: also llama.cpp's log lines)")
     return p
+
+
+def add_kv_options(p: argparse.ArgumentParser) -> None:
+    """--kv-type (both caches), --kv-type-k, --kv-type-v over every type llama.cpp's CPU path takes."""
+    from ..kv_types import KV_TYPE_NAMES
+
+    names = ", ".join(KV_TYPE_NAMES)
+    p.add_argument("--kv-type", default="f16", type=str.lower, metavar="TYPE",
+                   help=f"KV-cache type of K and V: {names} (default f16; a quantized V turns flash attention on)")
+    p.add_argument("--kv-type-k", type=str.lower, metavar="TYPE", help="K-cache type (default: --kv-type)")
+    p.add_argument("--kv-type-v", type=str.lower, metavar="TYPE", help="V-cache type (default: --kv-type)")
+
+
+def kv_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """The LoadOptions fields of the --kv-type* flags."""
+    return {"kv_type": args.kv_type, "kv_type_k": args.kv_type_k, "kv_type_v": args.kv_type_v}
+
+
+def int_range(lo: int, hi: int | Callable[[], int]) -> Callable[[str], int]:
+    """An argparse type: a decimal integer in [lo, hi] (hi may be computed when parsing), so that
+    a value never wraps through ctypes and a typo reads as one line naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        top = hi() if callable(hi) else hi
+        if not lo <= value <= top:
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {top}, got {value}")
+        return value
+
+    return parse
+
+
+MIN_CTX = 16  # the smallest context LoadOptions accepts
+CTX_BLOCK = 256  # llama.cpp rounds every context up to a multiple of this
+
+
+def ctx_type(text: str) -> int:
+    """--ctx: a context size; the message says what llama.cpp really does with small ones."""
+    value = int_range(1 - 2**31, INT32_MAX)(text)
+    if value < MIN_CTX:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_CTX} tokens, got {value} (llama.cpp rounds a context up to a multiple "
+            f"of {CTX_BLOCK}, so the smallest real one is {CTX_BLOCK})"
+        )
+    return value
+
+
+def _max_threads() -> int:
+    from edgeinfer.quantize import MAX_THREADS_PER_CPU
+
+    return MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+# --threads: at most a few per CPU (9,999 threads once took the machine to a load of 1,000)
+threads_type = int_range(1, _max_threads)
+
+
+def add_encoding_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                   help="text that is not UTF-8: strict = refuse it (default), replace = use U+FFFD for bad bytes")
+
+
+def decode_bytes(raw: bytes, what: str, errors: str = "strict") -> str:
+    """UTF-8 text, or one line naming the first bad byte (errors="replace" substitutes U+FFFD)."""
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        from edgeinfer.errors import InvalidOptionError
+
+        raise InvalidOptionError(
+            f"{what} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "pass --encoding-errors replace to read it anyway"
+        ) from None
+
+
+def argument_text(text: str, what: str, errors: str = "strict") -> str:
+    """A command-line string as valid Unicode: Python keeps bytes that are not UTF-8 in argv as
+    lone surrogates (U+DC80..U+DCFF), which no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")  # the bytes the user typed
+    except UnicodeEncodeError:  # a surrogate no byte made (only possible in-process)
+        if errors == "replace":
+            return text.encode("utf-8", "replace").decode("utf-8")
+        from edgeinfer.errors import InvalidOptionError
+
+        raise InvalidOptionError(f"{what} holds a lone surrogate, not text; "
+                                 "pass --encoding-errors replace to use it anyway") from None
+    return decode_bytes(raw, what, errors)
 
 
 def format_bytes(n: float) -> str:
@@ -78,22 +195,40 @@ class ProgressBar:
             self.stream.write("\r\033[K" + self._line(now))
             self.stream.flush()
 
+    def _rate(self, now: float) -> float | None:
+        """Items per second, or None until it means something (no "0/s" before the first item)."""
+        elapsed = now - self.start
+        if self.done <= 0 or elapsed < 0.5:
+            return None
+        return self.done / elapsed
+
+    def _fmt_rate(self, rate: float) -> str:
+        if self.unit == "B":
+            return f"{format_bytes(rate)}/s"
+        return f"{rate:.0f}{self.unit}/s" if rate >= 10 else f"{rate:.1f}{self.unit}/s"
+
     def _line(self, now: float) -> str:
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.done / elapsed
+        rate = self._rate(now)
+        speed = f" {self._fmt_rate(rate)}" if rate is not None and rate >= 0.05 else ""
         if self.total:
             frac = min(self.done / self.total, 1.0)
             width = 24
             bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-            eta = (self.total - self.done) / rate if rate > 0 else 0.0
+            eta = f" ETA {(self.total - self.done) / rate:4.0f}s" if speed and self.done < self.total else ""
             return (
-                f"{self.label} [{bar}] {frac * 100:5.1f}% {self._fmt(self.done)}/{self._fmt(self.total)} "
-                f"{self._fmt(rate)}/s ETA {eta:4.0f}s"
+                f"{self.label} [{bar}] {frac * 100:5.1f}% {self._fmt(self.done)}/{self._fmt(self.total)}{speed}{eta}"
             )
-        return f"{self.label} {self._fmt(self.done)} {self._fmt(rate)}/s"
+        return f"{self.label} {self._fmt(self.done)}{speed}"
 
     def close(self) -> None:
+        """End the bar's line; a bar that never moved (the work failed before it began) leaves no
+        line behind, so an error message stands alone."""
         now = time.monotonic()
+        if self.done <= 0:
+            if self._tty:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            return
         prefix = "\r\033[K" if self._tty else ""
         self.stream.write(prefix + self._line(now) + f" ({now - self.start:.1f}s)\n")
         self.stream.flush()

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ._common import common_options, format_bytes, print_table
+from ._common import INT32_MAX, common_options, format_bytes, int_range, print_table, threads_type
 
 __all__ = ["register"]
 
@@ -22,10 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "in each store model's manifest.",
     )
     p.add_argument("models", nargs="*", help="store names or .gguf paths (default: the default model)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length for prefill (default 256)")
-    p.add_argument("--decode-tokens", type=int, default=64, help="tokens to decode (default 64)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per model, best kept (default 2)")
-    p.add_argument("--threads", type=int, help="threads (default: all cores)")
+    p.add_argument("--prompt-tokens", type=int_range(1, INT32_MAX), default=256, help="prompt length for prefill (default 256)")
+    p.add_argument("--decode-tokens", type=int_range(1, INT32_MAX), default=64, help="tokens to decode (default 64)")
+    p.add_argument("--repeats", type=int_range(1, 1000), default=2, help="runs per model, best kept (default 2)")
+    p.add_argument("--threads", type=threads_type, help="threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
 

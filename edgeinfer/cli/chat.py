@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ._common import common_options
+from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type
 
 __all__ = ["register"]
 
@@ -21,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "model management. No model means the chat's last model, or the default model.",
     )
     p.add_argument("model", nargs="?", help="model (store name or .gguf path)")
-    p.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
+    p.add_argument("--threads", type=threads_type, help="CPU threads (default: all cores)")
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
     p.set_defaults(func=chat)
 

@@ -29,7 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(FP8, AWQ, GPTQ, compressed-tensors) are dequantized exactly; 'auto' writes their 4-bit layers straight "
         "into Q4_1/Q4_0 blocks (8-bit symmetric ones into Q8_0) without re-quantizing, the rest as Q8_0",
     )
-    p.add_argument("-o", "--output", metavar="FILE", help="write the GGUF here instead of into the store")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the GGUF here instead of into the store (a new "
+                   "path or a regular file outside the store)")
+    p.add_argument("--force", action="store_true", help="with -o: replace a file another store entry names (that "
+                   "entry is then replaced by the new one)")
     p.add_argument("--name", help="store name (default: from the folder or repo name)")
     p.add_argument("--quant", metavar="TYPES", help="then quantize to these types, e.g. Q4_K_M,Q6_K")
     p.add_argument("--profile", metavar="NAME", help="then quantize with this quant profile")
@@ -64,6 +67,11 @@ def run_convert(args: argparse.Namespace) -> int:
     quant_types = [q.strip() for q in (args.quant or "").split(",") if q.strip()]
     if (quant_types or args.profile) and args.output:
         raise InvalidOptionError("--quant/--profile quantize into the store; they cannot be combined with -o")
+    import edgeinfer
+
+    store = edgeinfer.Store()
+    # vetted before anything is pulled or written: never a device, a folder, a link, the store's own files
+    replaced = store.check_output(args.output, force=args.force) if args.output else []
     folder, repo_id = _resolve_source(args.source)
     bar = ProgressBar("converting", None, unit="B")
 
@@ -73,10 +81,14 @@ def run_convert(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = convert_model(
-            folder, args.outtype, args.output, on_progress=on_progress, name=args.name, repo_id=repo_id
+            folder, args.outtype, args.output, store=store, on_progress=on_progress, name=args.name, repo_id=repo_id
         )
     bar.label = "converted"
     bar.close()
+    for old in replaced:  # their file now holds other weights: their manifests must not describe it
+        if result.manifest is None or old.ref != result.manifest.ref:
+            store.forget(old.ref)
+            print(f"edgeinfer: note: {old.ref} named {args.output}; its store entry was dropped", file=sys.stderr)
     for w in caught:
         print(f"edgeinfer: warning: {w.message}", file=sys.stderr)
     if result.direct:

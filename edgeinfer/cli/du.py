@@ -33,4 +33,10 @@ def run_du(args: argparse.Namespace) -> int:
     print()
     print(f"store:    {format_bytes(du.store_bytes)} in {du.store_dir}")
     print(f"HF cache: {format_bytes(du.cache_bytes)} referenced, in {du.cache_dir}")
+    unused = edgeinfer.Store().garbage()  # leftovers of killed runs: counted, shown, `gc` deletes them
+    if unused:
+        print(f"unused:   {format_bytes(sum(g.size for g in unused))} in {len(unused)} file(s) no model uses "
+              "(`edgeinfer gc` deletes them)")
+        for g in unused:
+            print(f"  {g.kind:<7} {format_bytes(g.size):>9}  {g.path}")
     return 0

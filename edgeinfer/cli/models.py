@@ -23,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("rm", parents=[common_options()], help="remove a model from the store")
     p.add_argument("models", nargs="+", metavar="MODEL")
-    p.add_argument("--purge-cache", action="store_true", help="also delete the Hugging Face cache files it came from")
+    p.add_argument("--purge", "--purge-cache", dest="purge", action="store_true",
+                   help="also delete the Hugging Face cache files it came from and leftovers of interrupted runs in "
+                   "its folder; for the default model (which cannot be removed): forget its manifest and metrics")
     p.set_defaults(func=remove_models)
 
 
@@ -42,7 +44,9 @@ def _source(m) -> str:
 def list_models(args: argparse.Namespace) -> int:
     import edgeinfer
 
-    models = edgeinfer.Store().list()
+    models, damaged = edgeinfer.Store().scan()
+    for problem in damaged:  # one line each, never a traceback, never silently hidden
+        print(f"edgeinfer: warning: skipped {problem}", file=sys.stderr)
     if args.json:
         print(json.dumps([json.loads(m.to_json()) for m in models], indent=2))
         return 0
@@ -90,25 +94,49 @@ def show_model(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    for key, value in data.items():
-        if isinstance(value, dict):
-            print(f"{key}:")
-            for k, v in value.items():
-                print(f"  {k}: {v}")
-        else:
-            print(f"{key}: {value}")
+    _print_fields(data)
     return 0
+
+
+def _print_fields(data: dict, indent: str = "") -> None:
+    """`key: value` lines; empty values (None, "", {}, []) are left out rather than printed as such."""
+    for key, value in data.items():
+        if value is None or value == "" or value == {} or value == []:
+            continue
+        if isinstance(value, dict):
+            print(f"{indent}{key}:")
+            _print_fields(value, indent + "  ")
+        else:
+            print(f"{indent}{key}: {value}")
 
 
 def remove_models(args: argparse.Namespace) -> int:
     import edgeinfer
+    from edgeinfer.store import DEFAULT_MODEL, ManifestError
 
     store = edgeinfer.Store()
     for ref in args.models:
-        manifest = store.get(ref)
-        if args.purge_cache:
+        try:
+            manifest = store.get(ref)
+        except ManifestError as e:  # nothing in it can be trusted: only the manifest goes
+            store.remove(ref)
+            print(f"removed the damaged manifest {e.path}")
+            continue
+        if manifest.ref == DEFAULT_MODEL:
+            store.remove(ref, purge=args.purge)  # refuses without --purge
+            print(f"forgot the manifest and metrics of {manifest.ref} (the default model stays available)")
+            continue
+        if args.purge:
             edgeinfer.purge_cache(manifest)
         store.remove(ref)
-        kept = "" if manifest.owned else " (file kept: the store does not own it)"
+        if not manifest.owned:
+            kept = " (file kept: the store does not own it)"
+        elif manifest.path.exists():
+            kept = " (file kept: see the warning above)"
+        else:
+            kept = ""
         print(f"removed {manifest.ref}{kept}")
+        if args.purge:
+            for g in store.collect_garbage(names=[manifest.name]):
+                print(f"removed {g.kind} file {g.path} ({format_bytes(g.size)})")
     return 0

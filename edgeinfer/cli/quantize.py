@@ -6,7 +6,7 @@ import argparse
 import sys
 import warnings
 
-from ._common import ProgressBar, common_options, format_bytes, print_table
+from ._common import ProgressBar, common_options, format_bytes, print_table, threads_type
 
 __all__ = ["register"]
 
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="store name of the result (default: the source's name)")
     p.add_argument("--tag", help="store tag of the result (default: the quant type, lowercase)")
     p.add_argument("--force", action="store_true", help="replace an existing store entry of that name")
-    p.add_argument("--threads", type=int, help="threads (default: all cores)")
+    p.add_argument("--threads", type=threads_type, help="threads (default: all cores)")
     p.set_defaults(func=run)
 
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shlex
 import signal
 import sys
 
-from ._common import common_options
+from ._common import INT32_MAX, ctx_type, UINT32_MAX, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type
 
 __all__ = ["register"]
+
+_MAX_PROMPT_BYTES = 32 << 20  # far beyond any context; `-f /dev/zero` must end, not fill memory
+# A lone argument shaped like a model reference is never silently taken as the prompt.
+_MODEL_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*:[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,30 +26,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run",
         parents=[common_options()],
         help="generate text with a model (streams to stdout)",
-        description="Generate text. With one positional argument it is the prompt unless it names a model; "
-        "with none, the prompt is read from -f FILE or standard input. No model means the default model.",
+        description="Generate text. With one positional argument it is the prompt unless it names a model "
+        "(an argument shaped like NAME:TAG or *.gguf that names nothing is an error: use -p for such a prompt); "
+        "with none, the prompt is read from -p, -f FILE or standard input. No model means the default model.",
     )
     p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]", help="model (store name or .gguf path) and prompt")
+    p.add_argument("-p", "--prompt", help="the prompt (also when it looks like a model name)")
     p.add_argument("-f", "--file", help="read the prompt from this file ('-' for stdin)")
+    add_encoding_option(p)
     p.add_argument("--system", help="system prompt (chat mode)")
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
+    p.add_argument("--chatml", action="store_true", help="use the built-in ChatML template instead of the model's")
     sampling, generate = edgeinfer.DEFAULT_SAMPLING, edgeinfer.DEFAULT_GENERATE  # the library's defaults
-    p.add_argument("--max-tokens", "-n", type=int, default=generate.max_tokens)
+    p.add_argument("--max-tokens", "-n", type=int_range(1, INT32_MAX), default=generate.max_tokens)
     p.add_argument("--temperature", "--temp", type=float, default=sampling.temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=sampling.top_k)
+    p.add_argument("--top-k", type=int_range(0, INT32_MAX), default=sampling.top_k, help="0 = off (at most the vocabulary size)")
     p.add_argument("--top-p", type=float, default=sampling.top_p)
     p.add_argument("--min-p", type=float, default=sampling.min_p)
     p.add_argument("--repeat-penalty", type=float, default=sampling.repeat_penalty)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int_range(0, UINT32_MAX))
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
+    p.add_argument("--threads", type=threads_type, help="CPU threads (default: all cores)")
+    add_kv_options(p)
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="off | lookup | auto | draft=MODEL | self=Q3_K_M (output is unchanged, speed may be)")
-    p.add_argument("--draft-max", type=int,
+    p.add_argument("--draft-max", type=int_range(0, INT32_MAX),
                    help=f"longest draft per step (default {edgeinfer.DEFAULT_SPECULATION.draft_max})")
-    p.add_argument("--draft-min", type=int, help="shortest draft worth verifying")
+    p.add_argument("--draft-min", type=int_range(0, INT32_MAX), help="shortest draft worth verifying")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.set_defaults(func=run)
 
@@ -51,6 +62,10 @@ def _split_model_and_prompt(args: argparse.Namespace) -> tuple[str | None, str |
     import edgeinfer
 
     pos = list(args.args)
+    if args.prompt is not None:
+        if len(pos) > 1:
+            raise edgeinfer.InvalidOptionError("with -p/--prompt, give at most a MODEL as argument")
+        return (pos[0] if pos else None), args.prompt
     if len(pos) > 2:
         raise edgeinfer.InvalidOptionError("too many arguments: expected [MODEL] [PROMPT] (quote the prompt)")
     if len(pos) == 2:
@@ -58,16 +73,26 @@ def _split_model_and_prompt(args: argparse.Namespace) -> tuple[str | None, str |
     if len(pos) == 1:
         if _names_a_model(pos[0]):
             return pos[0], None
+        if _MODEL_REF_RE.match(pos[0]) or (pos[0].lower().endswith(".gguf") and not any(c.isspace() for c in pos[0])):
+            raise _no_such_model(pos[0])
         return None, pos[0]
     return None, None
 
 
-def _names_a_model(text: str) -> bool:
-    import os
-
+def _no_such_model(text: str) -> Exception:
+    """"no model X — did you mean Y?" for a lone argument shaped like a model that names nothing."""
     import edgeinfer
 
-    if text.endswith(".gguf") or os.path.isfile(text):
+    close = [] if text.lower().endswith(".gguf") else edgeinfer.Store().suggest(text)
+    hint = f" — did you mean {' or '.join(close)}?" if close else (
+        " (no such file)" if text.lower().endswith(".gguf") else " in the store (see `edgeinfer list`)")
+    return edgeinfer.ModelNotFoundError(f"no model {text}{hint} (to send it as the prompt: -p {shlex.quote(text)})")
+
+
+def _names_a_model(text: str) -> bool:
+    import edgeinfer
+
+    if os.path.isfile(text):
         return True
     if any(c.isspace() for c in text):
         return False
@@ -81,21 +106,37 @@ def _names_a_model(text: str) -> bool:
 def _read_prompt(args: argparse.Namespace, prompt: str | None) -> str:
     import edgeinfer
 
+    errors = args.encoding_errors
     if args.file:
         if prompt is not None:
             raise edgeinfer.InvalidOptionError("give the prompt either as an argument or with -f, not both")
+        if args.file == "-":
+            return _read_stdin(errors)
         try:
-            if args.file == "-":
-                return sys.stdin.read()
-            with open(args.file, encoding="utf-8") as f:
-                return f.read()
+            with open(args.file, "rb") as f:
+                raw = f.read(_MAX_PROMPT_BYTES + 1)
         except OSError as e:
             raise edgeinfer.InvalidOptionError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+        if len(raw) > _MAX_PROMPT_BYTES:
+            raise edgeinfer.InvalidOptionError(f"prompt file {args.file} is larger than {_MAX_PROMPT_BYTES >> 20} MiB")
+        return decode_bytes(raw, f"prompt file {args.file}", errors)
     if prompt is not None:
-        return prompt
+        return argument_text(prompt, "the prompt argument", errors)
     if not sys.stdin.isatty():
-        return sys.stdin.read()
-    raise edgeinfer.InvalidOptionError("no prompt: give one as an argument, with -f FILE, or on standard input")
+        return _read_stdin(errors)
+    raise edgeinfer.InvalidOptionError("no prompt: give one as an argument, with -p, -f FILE, or on standard input")
+
+
+def _read_stdin(errors: str) -> str:
+    import edgeinfer
+
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream without bytes underneath (e.g. replaced in-process)
+        return argument_text(sys.stdin.read(_MAX_PROMPT_BYTES), "standard input", errors)
+    raw = buffer.read(_MAX_PROMPT_BYTES + 1)
+    if len(raw) > _MAX_PROMPT_BYTES:
+        raise edgeinfer.InvalidOptionError(f"standard input is larger than {_MAX_PROMPT_BYTES >> 20} MiB")
+    return decode_bytes(raw, "standard input", errors)
 
 
 def _prepare_speculation(engine, speculation) -> None:  # noqa: ANN001 - edgeinfer types, imported lazily
@@ -124,10 +165,12 @@ def run(args: argparse.Namespace) -> int:
     text = _read_prompt(args, prompt)
     if not text.strip():
         raise edgeinfer.InvalidOptionError("the prompt is empty")
+    system = None if args.system is None else argument_text(args.system, "--system", args.encoding_errors)
+    stop = tuple(argument_text(s, "--stop", args.encoding_errors) for s in args.stop)
     speculation = edgeinfer.SpeculationOptions.parse(args.speculate, draft_max=args.draft_max, draft_min=args.draft_min)
     options = edgeinfer.GenerateOptions(
         max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
+        stop=stop,
         sampling=edgeinfer.SamplingOptions(
             temperature=args.temperature,
             top_k=args.top_k,
@@ -138,14 +181,18 @@ def run(args: argparse.Namespace) -> int:
         ),
         speculation=speculation,
     ).validate()
-    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type).validate()
+    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv_options(args)).validate()
     with edgeinfer.load(model, load) as engine:
+        if args.ctx is not None and engine.n_ctx != args.ctx:
+            print(f"edgeinfer: note: context of {args.ctx} tokens rounded to {engine.n_ctx} by llama.cpp", file=sys.stderr)
         _prepare_speculation(engine, options.speculation)
         if args.raw:
             gen = engine.generate(text, options)
         else:
+            if args.chatml:
+                engine.chat_template = "chatml"
             messages = [{"role": "user", "content": text}]
-            gen = engine.chat(messages, options, system=args.system)
+            gen = engine.chat(messages, options, system=system)
         # Ctrl-C cancels the generation (also inside a long prompt) and exits 130; a second one
         # stops at once.
         def on_interrupt(_signum: int, _frame: object) -> None:
