@@ -446,6 +446,20 @@ def test_purge_never_deletes_outside_the_cache(hub, gguf_repo, tmp_path, where):
     assert sorted(p.relative_to(outside) for p in outside.rglob("*")) == before
 
 
+def test_purge_leaves_what_no_manifest_names_and_a_cache_huggingface_hub_reads(hub, gguf_repo, tmp_path):
+    """The HF cache is not ours alone: a file huggingface_hub downloaded into the same revision stays,
+    and the cache is still one its own scanner reads without a warning."""
+    from huggingface_hub import hf_hub_download, scan_cache_dir
+
+    m = edgeinfer.pull(f"{REPO}:Q8_0").manifest
+    readme = Path(hf_hub_download(REPO, "README.md", revision=m.source["revision"]))
+    assert hubmod.purge_cache(m) == m.size
+    assert not os.path.lexists(m.file) and readme.read_text() == "# tiny\n"
+    info = scan_cache_dir(tmp_path / "hf-cache")
+    assert not info.warnings
+    assert [f.file_name for repo in info.repos for r in repo.revisions for f in r.files] == ["README.md"]
+
+
 def test_the_hub_imports_neither_the_converter_nor_the_quantizer():
     """edgeinfer.hub is below them: only edgeinfer.pull converts and quantizes (test_layering checks
     every import statement; this checks what importing the package really loads)."""

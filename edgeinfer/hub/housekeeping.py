@@ -4,9 +4,8 @@ cache, are ever counted or deleted."""
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from .cache import cache_dir, is_inside, storage_dir
 from .spec import COMMIT_RE, ETAG_RE, check_repo_id, check_repo_path
 
 __all__ = ["DiskUsage", "DiskUsageRow", "disk_usage", "purge_cache", "source_label"]
+
+logger = logging.getLogger(__name__)
 
 
 def source_label(source: dict[str, Any] | None) -> str:
@@ -72,43 +73,58 @@ def _manifest_cache_files(m: ModelManifest) -> list[tuple[Path, Path]]:
 def purge_cache(manifest: ModelManifest, store: Store | None = None) -> int:
     """Delete the HF-cache files a pulled model came from; returns bytes freed.
 
-    Files that another manifest in the store still references are kept. Empty snapshot folders,
-    and the repo's cache folder when nothing is left in it, are removed. Works before or after
-    `store.remove(manifest.ref)` (the manifest itself never counts as "another").
+    Files that another manifest in the store still references are kept. The deletion itself is
+    huggingface_hub's (`scan_cache_dir().delete_files` / `delete_revisions`), so the cache stays
+    as its own tools expect: a blob goes when no cached file links to it any more, and a revision
+    left with none of its files goes with its refs (the repo's folder too when it was the last).
+    Works before or after `store.remove(manifest.ref)` (the manifest itself never counts as
+    "another").
     """
+    from huggingface_hub import scan_cache_dir
+
     store = store or Store()
     mine = _manifest_cache_files(manifest)
     if not mine:
         return 0
-    keep: set[str] = set()
+    keep: set[Path] = set()
     for other in store.list():
         if (other.name, other.tag) == (manifest.name, manifest.tag):
             continue
-        keep.update(str(p) for p, _ in _manifest_cache_files(other))
-    freed = 0
-    storage = storage_dir(str(manifest.source["repo"]))
-    for pointer, blob in mine:
-        if str(pointer) in keep:
-            continue
-        pointer.unlink(missing_ok=True)
-        # the blob goes too unless another snapshot of this repo still links to it
-        still = any(
-            os.path.islink(Path(d) / n) and Path(os.readlink(Path(d) / n)).name == blob.name
-            for d, _, names in os.walk(storage / "snapshots")
-            for n in names
-        )
-        if not still and os.path.lexists(blob):
-            if not blob.is_symlink():  # a link into huggingface_hub's shared store frees nothing here
-                freed += blob.stat().st_size
-            blob.unlink()
-    snaps = storage / "snapshots"
-    for d, _, _ in sorted(os.walk(snaps), key=lambda t: -len(t[0])):
-        with contextlib.suppress(OSError):
-            if Path(d) != snaps:
-                os.rmdir(d)
-    if snaps.is_dir() and not any(snaps.iterdir()) and not any((storage / "blobs").glob("*")):
-        shutil.rmtree(storage, ignore_errors=True)
-    return freed
+        keep.update(p for p, _ in _manifest_cache_files(other))
+    # as huggingface_hub's scan names them: folders resolved, the entries themselves not
+    wanted = {_real_parent(pointer): _real_parent(blob) for pointer, blob in mine if pointer not in keep}
+    if not wanted:
+        return 0
+    storage = Path(os.path.realpath(storage_dir(str(manifest.source["repo"]))))
+    commit = str(manifest.source["revision"])
+    info = scan_cache_dir(cache_dir())
+    revision = next(
+        (r for repo in info.repos if repo.repo_path == storage for r in repo.revisions if r.commit_hash == commit), None
+    )
+    if revision is None:  # huggingface_hub found the folder damaged (see `hf cache scan`): touch nothing
+        logger.warning("%s: huggingface_hub does not list revision %s in its cache; nothing deleted", storage, commit)
+        return 0
+    # only entries whose blob is the one checked above: a link elsewhere is never followed to delete
+    files = [f for f in revision.files if wanted.get(f.file_path) == f.blob_path]
+    if not files:
+        return 0
+    everything = len(files) == len(revision.files)
+    strategy = info.delete_revisions(commit) if everything else info.delete_files(*files)
+    before = _blob_bytes(storage)
+    strategy.execute()
+    return before - _blob_bytes(storage)
+
+
+def _real_parent(path: Path) -> Path:
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+def _blob_bytes(storage: Path) -> int:
+    """Bytes of the repo's own blobs (links into huggingface_hub's shared store free nothing here)."""
+    blobs = storage / "blobs"
+    if not blobs.is_dir():
+        return 0
+    return sum(p.lstat().st_size for p in blobs.iterdir() if p.is_file() and not p.is_symlink())
 
 
 @dataclass(frozen=True)
