@@ -1,0 +1,17 @@
+"""`edgeinfer serve`: an OpenAI-compatible HTTP server over edgeinfer's BatchEngine.
+
+Installed as `edgeinfer_server` (from the `server/` folder) with the `serve` extra; it uses only
+edgeinfer's public API, and edgeinfer itself never imports it or any web framework.
+
+    engine = edgeinfer.BatchEngine.load(None, batch=edgeinfer.BatchOptions(parallel=4))
+    edgeinfer_server.serve(engine, edgeinfer_server.ServerConfig(port=8080))
+"""
+
+from __future__ import annotations
+
+from .app import create_app
+from .config import ServerConfig, check_credentials, is_loopback
+from .errors import APIError
+from .run import serve
+
+__all__ = ["create_app", "serve", "ServerConfig", "APIError", "check_credentials", "is_loopback"]

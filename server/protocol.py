@@ -1,0 +1,300 @@
+"""The OpenAI request and response shapes, translated to and from edgeinfer's public types.
+
+Parsing is strict: a field we cannot honour is a 400 that names it, never silently ignored
+(response_format json_schema, tools, n > 1, echo, suffix, penalties we do not implement).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import edgeinfer
+
+from .errors import APIError
+
+__all__ = ["ParsedRequest", "parse_chat", "parse_completion", "finish_reason", "usage", "Responder"]
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+_MAX_STOP = 16
+
+
+def finish_reason(reason: str) -> str:
+    return _FINISH.get(reason, reason)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: Literal["chat", "completion"]
+    model: str | None
+    options: edgeinfer.GenerateOptions
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: not asked; else how many alternatives
+    messages: tuple[Mapping[str, str], ...] = ()
+    prompt: str | tuple[int, ...] = ""
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not lo <= v <= hi:
+        raise _bad(f"'{name}' must be a number in [{lo}, {hi}], got {v!r}", name)
+    return float(v)
+
+
+def _integer(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _bad(f"'{name}' must be an integer in [{lo}, {hi}], got {v!r}", name)
+    return v
+
+
+def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation: str) -> dict[str, Any]:
+    """The fields chat and completions share, as keyword arguments of ParsedRequest."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    _integer(body, "n", 1, 1)  # one choice per request
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name, -2.0, 2.0)
+        if v:
+            raise _bad(f"'{name}' is not supported (use the extra field 'repeat_penalty')", name)
+    if body.get("logit_bias"):
+        raise _bad("'logit_bias' is not supported", "logit_bias")
+    if body.get("tools") or body.get("functions"):
+        raise _bad("tools and function calling are not supported by this server", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+        if kind != "text":
+            raise _bad(f"response_format {kind!r} is not supported: this server has no grammar-constrained "
+                       "sampling yet (only {'type': 'text'})", "response_format")
+
+    max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_limit)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, max_tokens_limit)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= _MAX_STOP:
+        stops = tuple(stop)
+    else:
+        raise _bad(f"'stop' must be a string or a list of at most {_MAX_STOP} strings", "stop")
+    if any(not s for s in stops):
+        raise _bad("stop strings must not be empty", "stop")
+
+    sampling: dict[str, Any] = {}
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+                         ("repeat_penalty", 0.0, 10.0)):
+        v = _number(body, name, lo, hi)
+        if v is not None:
+            sampling[name] = v
+    if sampling.get("top_p") == 0.0:
+        raise _bad("'top_p' must be greater than 0", "top_p")
+    top_k = _integer(body, "top_k", 0, 1 << 20)
+    if top_k is not None:
+        sampling["top_k"] = top_k
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise _bad("'seed' must be an integer", "seed")
+        sampling["seed"] = seed % (1 << 32)
+
+    spec = body.get("speculation", default_speculation)
+    if isinstance(spec, str):
+        spec_opts = {"method": spec}
+    elif isinstance(spec, Mapping):
+        spec_opts = dict(spec)
+    else:
+        raise _bad("'speculation' must be a method name or an object", "speculation")
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, Mapping):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    try:
+        options = edgeinfer.GenerateOptions(
+            max_tokens=max_tokens or max_tokens_limit,
+            stop=stops,
+            sampling=edgeinfer.SamplingOptions(**sampling),
+            speculation=edgeinfer.SpeculationOptions(**spec_opts),
+        ).validate()
+    except TypeError as e:  # an unknown key in the speculation object
+        raise _bad(f"invalid 'speculation': {e}", "speculation") from None
+    except edgeinfer.InvalidOptionError as e:
+        raise _bad(str(e)) from None
+    return {
+        "model": model,
+        "options": options,
+        "stream": stream,
+        "include_usage": bool(stream_options.get("include_usage", False)),
+    }
+
+
+def _content(message: Mapping[str, Any], i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}]: only text content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def parse_chat(body: Any, max_tokens_limit: int, default_speculation: str = "off") -> ParsedRequest:
+    if not isinstance(body, Mapping):
+        raise _bad("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    parsed_messages = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a 'role'", "messages")
+        parsed_messages.append({"role": m["role"], "content": _content(m, i)})
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be a boolean", "logprobs")
+    top = _integer(body, "top_logprobs", 0, 20)
+    if top is not None and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return ParsedRequest(kind="chat", messages=tuple(parsed_messages), logprobs=(top or 0) if logprobs else None,
+                         **_common(body, max_tokens_limit, default_speculation))
+
+
+def parse_completion(body: Any, max_tokens_limit: int, default_speculation: str = "off") -> ParsedRequest:
+    if not isinstance(body, Mapping):
+        raise _bad("the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = tuple(prompt)
+    elif not isinstance(prompt, str) or not prompt:
+        raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+    if body.get("echo"):
+        raise _bad("'echo' is not supported", "echo")
+    if body.get("suffix"):
+        raise _bad("'suffix' is not supported", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("'best_of' must be 1", "best_of")
+    logprobs = _integer(body, "logprobs", 0, 5)
+    return ParsedRequest(kind="completion", prompt=prompt, logprobs=logprobs,
+                         **_common(body, max_tokens_limit, default_speculation))
+
+
+def usage(stats: edgeinfer.GenerationStats) -> dict[str, Any]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+class Responder:
+    """Builds the response objects and stream chunks of one request."""
+
+    def __init__(self, req: ParsedRequest, model: str, token_bytes):
+        self.req = req
+        self.model = model
+        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._token_bytes = token_bytes  # token id -> bytes (for logprobs)
+        self._offset = 0  # text offset, for completion logprobs
+
+    # -- logprobs --------------------------------------------------------------------------------
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self._token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def chat_logprobs(self, events: Sequence[edgeinfer.TokenEvent]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        content = []
+        for e in events:
+            entry = self._entry(e.token, getattr(e, "logprob", 0.0))
+            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in getattr(e, "top_logprobs", ())]
+            content.append(entry)
+        return {"content": content}
+
+    def completion_logprobs(self, events: Sequence[edgeinfer.TokenEvent]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in events:
+            out["tokens"].append(self._entry(e.token, 0.0)["token"])
+            out["token_logprobs"].append(getattr(e, "logprob", 0.0))
+            out["top_logprobs"].append({self._entry(t, 0.0)["token"]: lp for t, lp in getattr(e, "top_logprobs", ())})
+            out["text_offset"].append(self._offset)
+            self._offset += len(e.text)
+        return out
+
+    # -- whole responses -------------------------------------------------------------------------
+    def complete(self, events: list[edgeinfer.TokenEvent], done: edgeinfer.DoneEvent) -> dict[str, Any]:
+        text = "".join(e.text for e in events)
+        reason = finish_reason(done.finish_reason)
+        if self.req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.chat_logprobs(events), "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(events), "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
+                "usage": usage(done.stats), "edgeinfer": done.stats.to_dict()}
+
+    # -- stream chunks ---------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        if self.req.kind != "chat":
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def delta_chunk(self, events: list[edgeinfer.TokenEvent]) -> dict[str, Any] | None:
+        text = "".join(e.text for e in events)
+        if not text and self.req.logprobs is None:
+            return None
+        if self.req.kind == "chat":
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": self.chat_logprobs(events),
+                      "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(events), "finish_reason": None}
+        return self._chunk([choice])
+
+    def last_chunks(self, done: edgeinfer.DoneEvent) -> list[dict[str, Any]]:
+        reason = finish_reason(done.finish_reason)
+        if self.req.kind == "chat":
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+        chunks = [self._chunk([choice], edgeinfer=done.stats.to_dict())]
+        if self.req.include_usage:
+            chunks.append(self._chunk([], usage=usage(done.stats)))
+        return chunks
