@@ -1,15 +1,20 @@
 """Smoke test in a real terminal: tmux runs `edgeinfer chat` with the real default model, a message
-is typed with send-keys, and capture-pane shows the reply and the stats line (polled, no sleeps)."""
+is typed with send-keys, and capture-pane shows the reply and the stats line (polled, no sleeps).
+
+The test runs its own tmux server (`tmux -L <unique socket>` on every call), so a server the user
+already runs is never asked to start the app (it would give the app its own environment, not the
+test's sandbox), and the app's environment is passed explicitly in the command (`env VAR=…`)."""
 
 from __future__ import annotations
 
-import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -22,22 +27,51 @@ pytestmark = [
 QUESTION = "What is the capital of France?"
 
 
-def _capture(session: str) -> str:
-    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+class Tmux:
+    """One private tmux server (its own socket) holding one session."""
+
+    def __init__(self, tmp_path: Path):
+        self.socket = f"edgeinfer-test-{uuid.uuid4().hex[:12]}"
+        self.session = "chat"
+        self.tmp_path = tmp_path
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        # -f /dev/null: the user's ~/.tmux.conf cannot change keys or the pane's size
+        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], capture_output=True, text=True, check=check)
+
+    def start(self, env: dict[str, str], argv: list[str]) -> None:
+        command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
+        self.run("new-session", "-d", "-s", self.session, "-x", "120", "-y", "35", command)
+
+    def capture(self) -> str:
+        return self.run("capture-pane", "-p", "-t", self.session, check=False).stdout
+
+    def alive(self) -> bool:
+        return self.run("has-session", "-t", self.session, check=False).returncode == 0
+
+    def kill_server(self) -> None:
+        self.run("kill-server", check=False)
+
+    def poll(self, predicate, timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = self.capture()
+            if predicate(screen):
+                return screen
+            time.sleep(0.05)  # polling interval between captures; the predicate decides, not the clock
+        raise AssertionError(f"timed out waiting for {what}; screen was:\n{screen}")
 
 
-def _poll(session: str, predicate, timeout: float, what: str) -> str:
-    deadline = time.monotonic() + timeout
-    screen = ""
-    while time.monotonic() < deadline:
-        screen = _capture(session)
-        if predicate(screen):
-            return screen
-        time.sleep(0.05)  # polling interval between captures; the predicate decides, not the clock
-    raise AssertionError(f"timed out waiting for {what}; screen was:\n{screen}")
+@pytest.fixture
+def tmux(tmp_path: Path):
+    t = Tmux(tmp_path)
+    yield t
+    t.kill_server()
+    assert not t.alive()
 
 
-def test_chat_in_tmux(edgeinfer_home, default_model_path):
+def test_chat_in_tmux(tmux, edgeinfer_home, default_model_path):
     from edgeinfer_tui.chat_store import ChatStore
     from edgeinfer_tui.settings import ChatSettings
 
@@ -47,30 +81,33 @@ def test_chat_in_tmux(edgeinfer_home, default_model_path):
     store.create_chat(settings=settings.to_dict())
     store.close()
 
-    session = f"edgeinfer-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "EDGEINFER_HOME": str(edgeinfer_home), "TERM": "xterm-256color"}
-    cmd = f"{sys.executable} -m edgeinfer chat --ctx 2048"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "35", cmd], env=env, check=True)
-    try:
-        _poll(session, lambda s: "· ready" in s, 90, "the model to load")
-        subprocess.run(["tmux", "send-keys", "-t", session, "-l", QUESTION], check=True)
-        subprocess.run(["tmux", "send-keys", "-t", session, "Enter"], check=True)
-        screen = _poll(session, lambda s: re.search(r"\d+ tokens · [\d.]+ tok/s .*· (done|max tokens)", s), 90, "the reply's stats line")
-        assert "You" in screen and QUESTION in screen
-        assert "Assistant" in screen
-        reply_lines = screen.split("Assistant", 1)[1].strip().splitlines()
-        assert reply_lines and reply_lines[0].strip(), screen
-        # the reply on screen is the library's own greedy reply to the same chat
-        import edgeinfer
+    env = {
+        "EDGEINFER_HOME": str(edgeinfer_home),
+        "XDG_DATA_HOME": str(edgeinfer_home.parent / "xdg-data"),
+        "HF_HOME": str(edgeinfer_home.parent / "hf-home"),
+        "TERM": "xterm-256color",
+    }
+    tmux.start(env, [sys.executable, "-m", "edgeinfer", "chat", "--ctx", "2048"])
+    tmux.poll(lambda s: "· ready" in s, 90, "the model to load")
+    tmux.run("send-keys", "-t", tmux.session, "-l", QUESTION)
+    tmux.run("send-keys", "-t", tmux.session, "Enter")
+    screen = tmux.poll(lambda s: re.search(r"\d+ tokens · [\d.]+ tok/s .*· (done|max tokens)", s), 90, "the reply's stats line")
+    assert "You" in screen and QUESTION in screen
+    assert "Assistant" in screen
+    reply_lines = screen.split("Assistant", 1)[1].strip().splitlines()
+    assert reply_lines and reply_lines[0].strip(), screen
+    # the reply on screen is the library's own greedy reply to the same chat
+    import edgeinfer
 
-        with edgeinfer.load(default_model_path, n_ctx=2048) as engine:
-            expected = engine.chat([{"role": "user", "content": QUESTION}], settings.to_options()).result().text
-        first_words = " ".join(expected.split()[:4])
-        assert first_words and first_words in " ".join(screen.split()), (expected, screen)
-        subprocess.run(["tmux", "send-keys", "-t", session, "C-q"], check=True)
-        deadline = time.monotonic() + 20
-        while subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode == 0:
-            assert time.monotonic() < deadline, "the app did not quit on ctrl+q"
-            time.sleep(0.05)
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    with edgeinfer.load(default_model_path, n_ctx=2048) as engine:
+        expected = engine.chat([{"role": "user", "content": QUESTION}], settings.to_options()).result().text
+    first_words = " ".join(expected.split()[:4])
+    assert first_words and first_words in " ".join(screen.split()), (expected, screen)
+    # the app wrote its chat into the sandbox it was given, nowhere else
+    saved = ChatStore(edgeinfer_home / "chats.sqlite3").messages(1)
+    assert [m.role for m in saved] == ["user", "assistant"] and saved[0].content == QUESTION
+    tmux.run("send-keys", "-t", tmux.session, "C-q")
+    deadline = time.monotonic() + 20
+    while tmux.alive():
+        assert time.monotonic() < deadline, "the app did not quit on ctrl+q"
+        time.sleep(0.05)
