@@ -4,7 +4,6 @@ and a plain-text progress bar (no rich)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -89,9 +88,9 @@ def ctx_type(text: str) -> int:
 
 
 def _max_threads() -> int:
-    from edgeinfer.quantize import MAX_THREADS_PER_CPU
+    from edgeinfer.llama_backend import max_threads
 
-    return MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+    return max_threads()
 
 
 # --threads: at most a few per CPU (9,999 threads once took the machine to a load of 1,000)

@@ -286,3 +286,10 @@ def test_show_leaves_out_empty_fields(capsys):
 def test_a_rounded_context_is_said(capsys):
     assert main(["run", "hi", "--ctx", "64", "-n", "1", "--temperature", "0"]) == 0
     assert "context of 64 tokens rounded to 256 by llama.cpp" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_top_k_above_the_vocabulary_is_refused(capsys):
+    """--top-k fits a C int at the CLI; the engine then bounds it by the model's vocabulary."""
+    assert main(["run", "hi", "--top-k", "2147483647", "-n", "1"]) == 1
+    one_line_error(capsys.readouterr().err, "top_k must be at most the vocabulary size")
