@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from .cancel import CancelToken, raise_if_cancelled
 from .errors import ConversionError, DiskSpaceError, EdgeInferError, HubError, InvalidOptionError, OfflineError, StoreError
 from .fit import FitReport, available_memory, fit
-from .fsutil import sha256_file
 from .gguf_file import read_gguf
 from .hub.cache import HubFile, Snapshot, cache_dir, endpoint, snapshot
 from .hub.download import PARTIAL_SUFFIX, DownloadProgress, fetch_all
 from .hub.spec import SOURCE_FILES, check_repo_id, check_revision, is_model_gguf, parse_spec, select_gguf
 from .profiles import QuantProfile, get_profile
 from .store import ModelManifest, Store, normalize_name, parse_ref
+from .validate import LoadChecks, check_semantics
 
 if TYPE_CHECKING:  # imported when a safetensors repo is converted: they bring gguf-py and ctypes bindings
     from .convert import ConvertProgress
@@ -427,7 +427,8 @@ def _register_gguf(
 ) -> ModelManifest:
     _emit(on_progress, PullStage("validate", f"checking {len(paths)} GGUF file(s)"))
     infos = [read_gguf(p) for p in paths]  # each split on its own: every part is bounds-checked
-    first = pl.files[0]
+    check_semantics(infos[0])  # what llama.cpp would abort on, refused first
+    sha256 = LoadChecks(store).ensure_loads(paths[0], pl.files[0].sha256)  # llama.cpp loads it, once
     tag = (pl.quant or infos[0].file_type or "latest").lower()
     _emit(on_progress, PullStage("register", f"registering {name}:{tag}"))
     # Not store.register(): it records the resolved path, and llama.cpp finds the other parts of a
@@ -438,7 +439,8 @@ def _register_gguf(
         name=name,
         tag=tag,
         file=str(paths[0].absolute()),
-        sha256=first.sha256 or sha256_file(paths[0]),
+        sha256=sha256,
+        load_checked=sha256,
         size=sum(f.size for f in pl.files),
         architecture=info.architecture,
         parameters=sum(i.parameter_count for i in infos),
