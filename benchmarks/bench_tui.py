@@ -62,29 +62,29 @@ async def tui_run(app, max_tokens: int, probe_keys: bool) -> dict:
 
     latencies: list[float] = []
     async with app.run_test(size=(120, 40)) as pilot:
-        while app.chat is None or app.loaded is None:
+        while app.chat_view.chat is None or app.models.loaded is None:
             await pilot.pause(0.01)
-        n_views = len(app.messages_view.query(MessageView))
-        app.last_done = None
-        app.chat_input.text = PROMPT
+        n_views = len(app.chat_view.messages_view.query(MessageView))
+        app.chat_view.last_done = None
+        app.chat_view.chat_input.text = PROMPT
         await pilot.press("enter")
         # first token on screen
-        while len(app.messages_view.query(MessageView)) < n_views + 2 or not app.messages_view.query(MessageView).last().content:
+        while len(app.chat_view.messages_view.query(MessageView)) < n_views + 2 or not app.chat_view.messages_view.query(MessageView).last().content:
             await asyncio.sleep(0.01)
         if probe_keys:
             from textual import events
 
-            while app.generating and len(latencies) < 40:
-                before = app.chat_input.text
+            while app.chat_view.generating and len(latencies) < 40:
+                before = app.chat_view.chat_input.text
                 t0 = time.perf_counter()
-                app.chat_input.post_message(events.Key("x", "x"))
-                while app.chat_input.text == before:
+                app.chat_view.chat_input.post_message(events.Key("x", "x"))
+                while app.chat_view.chat_input.text == before:
                     await asyncio.sleep(0.001)
                 latencies.append(time.perf_counter() - t0)
                 await asyncio.sleep(0.05)
-        while app.last_done is None:
+        while app.chat_view.last_done is None:
             await asyncio.sleep(0.05)  # the bench itself stays out of the way of the UI
-        shown = app.last_stats
+        shown = app.chat_view.last_stats
         # the rate the UI saw: tokens that reached the screen per second after the first
         out = {
             "shown_tok_s": shown.tok_s,
@@ -92,7 +92,7 @@ async def tui_run(app, max_tokens: int, probe_keys: bool) -> dict:
             "latencies": latencies,
             "stats_line": str(app.chat_screen.query_one("#stats").render()),
         }
-        app.chat_input.text = ""
+        app.chat_view.chat_input.text = ""
     return out
 
 
@@ -116,9 +116,9 @@ def main() -> int:
     from edgeinfer_tui.config import TuiConfig
 
     if args.flush is not None:
-        import edgeinfer_tui.app as app_mod
+        import edgeinfer_tui.chat_view as chat_view_mod
 
-        app_mod.FLUSH_S = args.flush
+        chat_view_mod.FLUSH_S = args.flush
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     model = default_model_file()

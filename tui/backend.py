@@ -1,19 +1,24 @@
-"""The small interface the UI talks to: list models, load one, chat, cancel.
+"""The small interface the UI talks to: list models, load one, chat, run a manage task.
 
-`LibraryBackend` is the real one, on `edgeinfer.load(...).chat(...)` and `edgeinfer.Store`. Tests
-pass a backend whose engine is scripted (deterministic tokens at an adjustable speed) so the UI's
-flows can be checked exactly; the UI never knows the difference.
+`LibraryBackend` is the real one, on edgeinfer's public API. Tests pass a backend whose engine is
+scripted (deterministic tokens at an adjustable speed) so the UI's flows can be checked exactly;
+the UI never knows the difference.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import importlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
+
+import edgeinfer
+from edgeinfer import DownloadProgress, PullPlan, PullStage, pull
+from edgeinfer.convert import ConvertProgress, convert_model
+from edgeinfer.evaluate import EvalProgress, evaluate
+from edgeinfer.fit import available_memory, fit
+from edgeinfer.quantize import QuantizeProgress, quantize_model
 
 __all__ = [
     "ModelEntry",
@@ -22,51 +27,16 @@ __all__ = [
     "EngineLike",
     "Backend",
     "LibraryBackend",
+    "TASK_KINDS",
+    "CANCELLABLE_TASKS",
     "entry_from_manifest",
-    "feature_available",
-    "mem_available_bytes",
     "TaskProgress",
     "progress_from_event",
-    "FEATURES",
 ]
 
-# Manage features and the edgeinfer module each one needs (built by other parts of the project;
-# the UI checks at runtime and says "not available in this version" when one is missing).
-FEATURES: dict[str, str] = {
-    "pull": "edgeinfer.pull",
-    "convert": "edgeinfer.convert",
-    "quantize": "edgeinfer.quantize",
-    "evaluate": "edgeinfer.evaluate",
-}
-
-
-def feature_available(module: str) -> bool:
-    """Whether an optional edgeinfer module (hub, convert, quantize, evaluate, fit) is installed."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _metric(section: Any, *names: str) -> float | None:
-    if not isinstance(section, dict):
-        return None
-    for n in names:
-        v = section.get(n)
-        if isinstance(v, (int, float)):
-            return float(v)
-    return None
+TASK_KINDS: tuple[str, ...] = ("pull", "convert", "quantize", "evaluate")
+# Tasks whose library call takes a cancel token (the others run to the end once started).
+CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "convert"})
 
 
 @dataclass(frozen=True)
@@ -86,44 +56,37 @@ class ModelEntry:
     derived_from: str | None = None
 
 
-def _fits(manifest: Any) -> bool | None:
-    """Does the model fit in RAM? edgeinfer.fit when present, else weights + 20 % vs MemAvailable."""
-    if feature_available("edgeinfer.fit"):
-        try:
-            import edgeinfer.fit as fit_mod
-
-            for fn_name in ("estimate", "fit"):
-                fn = getattr(fit_mod, fn_name, None)
-                if callable(fn):
-                    est = fn(manifest.ref)
-                    fits = getattr(est, "fits", None)
-                    if isinstance(fits, bool):
-                        return fits
-                    break
-        except Exception:  # an estimate is a hint; never let it break the picker
-            pass
-    avail = mem_available_bytes()
-    return None if avail is None else manifest.size * 1.2 < avail
+def _number(section: object, key: str) -> float | None:
+    """metrics[kind][key] when it is a number (manifests are JSON written by older versions too)."""
+    if not isinstance(section, dict):
+        return None
+    v = section.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def entry_from_manifest(m: Any) -> ModelEntry:
-    metrics = m.metrics or {}
-    ev = metrics.get("eval")
-    bench = metrics.get("bench")
-    same_top = _metric(ev, "same_top_pct", "same_top_percent", "same_top")
-    if same_top is not None and same_top <= 1.0:
-        same_top *= 100.0
+def entry_from_manifest(
+    m: edgeinfer.ModelManifest, *, store: edgeinfer.Store | None = None, available: int | None = None
+) -> ModelEntry:
+    """A picker row: the manifest's facts, the metrics `evaluate` and `bench` saved in it
+    (metrics["eval"]: EvalResult.to_metrics(), metrics["bench"]: BenchResult.to_metrics()), and
+    whether edgeinfer.fit estimates it fits in `available` bytes of RAM."""
+    ev = m.metrics.get("eval")
+    same_top = _number(ev, "same_top")  # a fraction
+    try:
+        fits: bool | None = fit(m.ref, store=store, available=available).fits
+    except (edgeinfer.EdgeInferError, OSError):  # an estimate is a hint: an unreadable file leaves it unknown
+        fits = None
     return ModelEntry(
         ref=m.ref,
         name=m.name,
         quant=m.quant,
         size=m.size,
         bits_per_weight=m.bits_per_weight,
-        kld=_metric(ev, "kld", "mean_kld", "kld_mean"),
-        same_top=same_top,
-        ppl=_metric(ev, "ppl", "perplexity"),
-        tok_s=_metric(bench, "decode_tok_s", "tok_s", "decode"),
-        fits=_fits(m),
+        kld=_number(ev, "kld"),
+        same_top=None if same_top is None else same_top * 100.0,
+        ppl=_number(ev, "ppl"),
+        tok_s=_number(m.metrics.get("bench"), "decode_tok_s"),
+        fits=fits,
         derived_from=m.derived_from,
     )
 
@@ -140,38 +103,51 @@ class TaskProgress:
     message: str | None = None
 
 
-def progress_from_event(ev: Any, default_key: str = "task") -> TaskProgress:
-    """Map the library's progress dataclasses onto bars: hub.DownloadProgress (one bar per file),
-    quantize.QuantizeProgress and convert.ConvertProgress (per tensor), evaluate.EvalProgress
-    (per chunk); hub.PullPlan / PullStage and anything else become a status line."""
-    if hasattr(ev, "file") and hasattr(ev, "done") and hasattr(ev, "total"):
-        status = getattr(ev, "status", "")
-        return TaskProgress(key=str(ev.file), label=f"{ev.file} {status}".strip(), done=float(ev.done), total=float(ev.total) or None)
-    if hasattr(ev, "tensor_index") and hasattr(ev, "n_tensors"):
-        return TaskProgress(key=default_key, label=f"{ev.tensor_name} → {ev.type_name}", done=ev.tensor_index, total=ev.n_tensors)
-    if hasattr(ev, "chunk") and hasattr(ev, "n_chunks"):
-        label = f"{getattr(ev, 'model', '')} chunk {ev.chunk}/{ev.n_chunks}"
-        return TaskProgress(key=f"{default_key}-{getattr(ev, 'model', '')}", label=label, done=ev.chunk, total=ev.n_chunks)
-    if hasattr(ev, "index") and hasattr(ev, "count"):
-        return TaskProgress(key=default_key, label=str(getattr(ev, "tensor", "")), done=ev.index, total=ev.count)
-    if hasattr(ev, "total_bytes") and hasattr(ev, "repo"):  # the pull's plan, before downloading
-        size = f"{ev.total_bytes / 1e6:.1f} MB"
-        msg = f"{ev.repo} @ {str(getattr(ev, 'commit', ''))[:10]}: {getattr(ev, 'kind', '')} {getattr(ev, 'quant', '')}, {size} to fetch"
-        return TaskProgress(key=default_key, label="", done=0, total=None, message=msg)
-    message = getattr(ev, "message", None)
-    return TaskProgress(key=default_key, label="", done=0, total=None, message=str(message if message else ev)[:200])
+def _rate(bytes_per_s: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if bytes_per_s < 1000 or unit == "GB":
+            return f"{bytes_per_s:.0f} {unit}/s" if unit == "B" else f"{bytes_per_s:.1f} {unit}/s"
+        bytes_per_s /= 1000
+    return ""
+
+
+def progress_from_event(ev: object, default_key: str = "task") -> TaskProgress:
+    """The library's progress events as bars: one per file of a pull, one per task for convert and
+    quantize (per tensor), one per model for evaluate (per chunk); the pull's plan and stages are
+    status lines. A download's rate shows once it is known."""
+    match ev:
+        case DownloadProgress(file=name, done=done, total=total, status=status, rate=rate):
+            label = f"{name} {status}"
+            if status == "downloading" and rate > 0:
+                label += f" {_rate(rate)}"
+            return TaskProgress(key=name, label=label, done=float(done), total=float(total) or None)
+        case QuantizeProgress():
+            return TaskProgress(
+                key=default_key, label=f"{ev.tensor_name} → {ev.type_name}", done=ev.tensor_index, total=ev.n_tensors
+            )
+        case ConvertProgress():
+            return TaskProgress(key=default_key, label=ev.tensor, done=ev.index, total=ev.count)
+        case EvalProgress():
+            label = f"{ev.model} chunk {ev.chunk}/{ev.n_chunks}"
+            return TaskProgress(key=f"{default_key}-{ev.model}", label=label, done=ev.chunk, total=ev.n_chunks)
+        case PullPlan():
+            msg = f"{ev.repo} @ {ev.commit[:10]}: {ev.kind} {ev.quant}, {ev.total_bytes / 1e6:.1f} MB to fetch"
+            return TaskProgress(key=default_key, label="", done=0, total=None, message=msg)
+        case PullStage():
+            return TaskProgress(key=default_key, label="", done=0, total=None, message=ev.message)
+    return TaskProgress(key=default_key, label="", done=0, total=None, message=str(ev)[:200])
 
 
 class GenerationLike(Protocol):
-    stats: Any
+    stats: edgeinfer.GenerationStats
 
-    def __iter__(self) -> Iterator[Any]: ...
+    def __iter__(self) -> Iterator[edgeinfer.Event]: ...
 
     def cancel(self) -> None: ...
 
 
 class EngineLike(Protocol):
-    def chat(self, messages: list[dict[str, str]], options: Any = None) -> GenerationLike: ...
+    def chat(self, messages: list[dict[str, str]], options: edgeinfer.GenerateOptions | None = None) -> GenerationLike: ...
 
     def close(self) -> None: ...
 
@@ -191,8 +167,6 @@ class Backend(Protocol):
 
     def remove_model(self, ref: str) -> None: ...
 
-    def features(self) -> dict[str, bool]: ...
-
     def run_task(
         self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel: threading.Event
     ) -> str: ...
@@ -201,79 +175,48 @@ class Backend(Protocol):
 class LibraryBackend:
     """The real backend: the store's models, loaded by edgeinfer's engine."""
 
-    def __init__(self, load_options: Any = None):
+    def __init__(self, load_options: edgeinfer.LoadOptions | None = None):
         self.load_options = load_options
 
     def default_ref(self) -> str:
-        import edgeinfer
-
         return edgeinfer.DEFAULT_MODEL
 
     def list_models(self) -> list[ModelEntry]:
-        import edgeinfer
-
-        return [entry_from_manifest(m) for m in edgeinfer.Store().list()]
+        store = edgeinfer.Store()
+        available = available_memory()
+        return [entry_from_manifest(m, store=store, available=available) for m in store.list()]
 
     def load(self, ref: str | None) -> LoadedModel:
-        import edgeinfer
-
         engine = edgeinfer.load(ref or None, options=self.load_options)
-        manifest = getattr(engine, "manifest", None)
-        name = manifest.ref if manifest is not None else (ref or Path(str(engine.path)).name)
+        name = engine.manifest.ref if engine.manifest is not None else (ref or Path(engine.path).name)
         return LoadedModel(ref=name, engine=engine)
 
     def remove_model(self, ref: str) -> None:
-        import edgeinfer
-
         edgeinfer.Store().remove(ref)
-
-    def features(self) -> dict[str, bool]:
-        return {k: feature_available(m) and self._task_fn(k) is not None for k, m in FEATURES.items()}
-
-    def _task_fn(self, kind: str) -> Callable[..., Any] | None:
-        """The library function behind a manage task, or None when this version lacks it."""
-        names = {
-            "pull": ("pull", "pull_model"),
-            "convert": ("convert_model",),
-            "quantize": ("quantize_model",),
-            "evaluate": ("evaluate_model", "evaluate"),
-        }[kind]
-        try:
-            module = importlib.import_module(FEATURES[kind])
-        except ImportError:
-            return None
-        for n in names:
-            fn = getattr(module, n, None)
-            if callable(fn):
-                return fn
-        return None
 
     def run_task(
         self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel: threading.Event
     ) -> str:
         """Run one manage task (blocking, from a worker thread); returns a one-line result.
-        `cancel` stops a pull between chunks (the partial file is kept for a resume)."""
-        import edgeinfer
+        `cancel` stops a pull between chunks (the partial file is kept for a resume) and a
+        conversion between tensors."""
 
-        fn = self._task_fn(kind)
-        if fn is None:
-            raise edgeinfer.EdgeInferError(f"{kind} is not available in this version of edgeinfer")
-
-        def progress(ev: Any) -> None:
+        def progress(ev: object) -> None:
             on_progress(progress_from_event(ev, kind))
 
+        source = args["source"]
         if kind == "pull":
-            result = fn(args["source"], on_progress=progress, cancel=cancel)
+            ref = pull(source, on_progress=progress, cancel=cancel).manifest.ref
         elif kind == "convert":
-            result = fn(args["source"], args.get("outtype") or None, on_progress=progress)
+            manifest = convert_model(source, args.get("outtype") or None, on_progress=progress, cancel=cancel).manifest
+            ref = manifest.ref if manifest is not None else None
         elif kind == "quantize":
-            result = fn(args["source"], args.get("qtype") or "Q4_K_M", on_progress=progress)
-        else:  # evaluate: against the full-precision model it was derived from; saved in the manifest
-            result = fn(args["source"], on_progress=progress)
-            if getattr(result, "kld", None) is not None:
+            ref = quantize_model(source, args.get("qtype") or "Q4_K_M", on_progress=progress).ref
+        elif kind == "evaluate":  # against the full-precision model it was derived from; saved in the manifest
+            result = evaluate(source, on_progress=progress)
+            if result.kld is not None and result.same_top is not None:
                 return f"evaluate: PPL {result.ppl:.3f}, KLD {result.kld:.4f}, same-top {result.same_top * 100:.1f} %"
-            if getattr(result, "ppl", None) is not None:
-                return f"evaluate: PPL {result.ppl:.3f} (no reference to compare with)"
-        manifest = getattr(result, "manifest", None)
-        ref = getattr(result, "ref", None) or (manifest.ref if manifest is not None else None)
+            return f"evaluate: PPL {result.ppl:.3f} (no reference to compare with)"
+        else:
+            raise edgeinfer.InvalidOptionError(f"unknown task {kind!r}: choose one of {', '.join(TASK_KINDS)}")
         return f"{kind}: done{f' → {ref}' if ref else ''}"

@@ -1,5 +1,7 @@
 """The manage screen: the store's models (delete), the quality ladder of a model (table + bars),
-and pull / convert / quantize with progress bars, where this version of edgeinfer has them."""
+and pull / convert / quantize / evaluate with progress bars.
+
+A task's tab opens with its first field focused; Enter in a field starts the task."""
 
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from textual.widgets import (
     TabPane,
 )
 
-from .backend import Backend, ModelEntry, TaskProgress
-from .screens import MODEL_COLUMNS, ConfirmScreen, format_size, model_rows
+from .backend import CANCELLABLE_TASKS, Backend, ModelEntry, TaskProgress
+from .modals.confirm import ConfirmScreen
+from .model_table import MODEL_COLUMNS, format_optional, format_size, model_rows
 
 __all__ = ["ManageScreen", "ladder_chart", "TASKS"]
 
@@ -53,8 +56,6 @@ TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
         "saved in the model's manifest and shown in the quality ladder.",
     ),
 }
-
-NOT_AVAILABLE = "not available in this version of edgeinfer"
 
 
 def _bar(value: float, vmax: float, width: int) -> str:
@@ -105,7 +106,6 @@ class ManageScreen(Screen):
     ManageScreen .row Label { width: 18; padding-top: 1; }
     ManageScreen .row Input { width: 1fr; }
     ManageScreen .hint { color: $text-muted; }
-    ManageScreen .unavailable { color: $warning; text-style: italic; margin: 1 0; }
     ManageScreen .result { margin-top: 1; height: auto; }
     ManageScreen .bars { height: auto; }
     ManageScreen #ladder-chart { margin-top: 1; height: auto; }
@@ -115,17 +115,10 @@ class ManageScreen(Screen):
         super().__init__(id="manage-screen")
         self.backend = backend
         self.entries: list[ModelEntry] = []
-        self.features = self._features()
         self._bars: dict[str, dict[str, ProgressBar]] = defaultdict(dict)
         self._bar_labels: dict[str, dict[str, Label]] = defaultdict(dict)
         self._last_post: dict[str, float] = {}
         self._cancel: dict[str, threading.Event] = {}
-
-    def _features(self) -> dict[str, bool]:
-        try:
-            return dict(self.backend.features())
-        except Exception:  # noqa: BLE001
-            return {}
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -144,9 +137,6 @@ class ManageScreen(Screen):
                 with TabPane(title, id=f"tab-{kind}"):
                     with VerticalScroll():
                         yield Static(hint, classes="hint")
-                        if not self.features.get(kind):
-                            yield Static(f"{title}: {NOT_AVAILABLE}.", classes="unavailable", id=f"{kind}-unavailable")
-                            continue
                         for arg, label, placeholder in fields:
                             with Horizontal(classes="row"):
                                 yield Label(label)
@@ -227,45 +217,58 @@ class ManageScreen(Screen):
         rungs = [e for e in self.entries if (e.name or e.ref.split(":")[0]) == name]
         rungs.sort(key=lambda e: (e.bits_per_weight or 0.0), reverse=True)
 
-        def f(v: float | None, fmt: str) -> str:
-            return "—" if v is None else format(v, fmt)
-
         for e in rungs:
             table.add_row(
                 e.quant or e.ref,
-                f(e.bits_per_weight, ".2f"),
+                format_optional(e.bits_per_weight, ".2f"),
                 format_size(e.size),
-                f(e.ppl, ".3f"),
-                f(e.kld, ".4f"),
+                format_optional(e.ppl, ".3f"),
+                format_optional(e.kld, ".4f"),
                 "—" if e.same_top is None else f"{e.same_top:.1f} %",
-                f(e.tok_s, ".1f"),
+                format_optional(e.tok_s, ".1f"),
             )
         self.query_one("#ladder-chart", Static).update(ladder_chart(rungs))
 
-    # -- pull / convert / quantize ---------------------------------------------------------------
+    # -- pull / convert / quantize / evaluate ----------------------------------------------------
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        kind = (event.pane.id or "").removeprefix("tab-")
+        if kind in TASKS:  # type what the task needs at once, no Tab presses
+            self.query_one(f"#{kind}-{TASKS[kind][1][0][0]}", Input).focus()
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        kind = (event.input.id or "").partition("-")[0]
+        if kind in TASKS:
+            self.start_task(kind)
+
     @on(Button.Pressed)
-    def _start(self, event: Button.Pressed) -> None:
+    def _pressed(self, event: Button.Pressed) -> None:
         bid = event.button.id or ""
         if bid.startswith("cancel-"):
             kind = bid.removeprefix("cancel-")
             if kind in self._cancel:
                 self._cancel[kind].set()
                 self.query_one(f"#{kind}-result", Static).update("cancelling…")
+        elif bid.startswith("start-"):
+            self.start_task(bid.removeprefix("start-"))
+
+    def start_task(self, kind: str) -> None:
+        """Start the task of a tab with what its fields hold (one task of a kind at a time)."""
+        start = self.query_one(f"#start-{kind}", Button)
+        if start.disabled:
             return
-        if not bid.startswith("start-"):
-            return
-        kind = bid.removeprefix("start-")
         args = {arg: self.query_one(f"#{kind}-{arg}", Input).value.strip() for arg, _l, _p in TASKS[kind][1]}
         if not args.get("source"):
             self.query_one(f"#{kind}-result", Static).update("Fill in the first field.")
             return
-        event.button.disabled = True
+        start.disabled = True
         self.query_one(f"#{kind}-bars", Vertical).remove_children()
         self._bars[kind].clear()
         self._bar_labels[kind].clear()
         self.query_one(f"#{kind}-result", Static).update("running…")
         self._cancel[kind] = threading.Event()
-        self.query_one(f"#cancel-{kind}", Button).disabled = kind != "pull"  # only a pull stops midway
+        self.query_one(f"#cancel-{kind}", Button).disabled = kind not in CANCELLABLE_TASKS
         self.run_task(kind, args, self._cancel[kind])
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="task")

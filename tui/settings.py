@@ -1,9 +1,15 @@
-"""Per-chat settings: system prompt, sampling and speculation, stored as JSON with the chat."""
+"""Per-chat settings: system prompt, sampling and speculation, stored as JSON with the chat.
+
+The defaults are the library's own (edgeinfer.DEFAULT_GENERATE, DEFAULT_SAMPLING,
+DEFAULT_SPECULATION): a chat starts with what `edgeinfer run` and the Python API use.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import edgeinfer
 
 __all__ = ["ChatSettings", "SpeculationSettings", "SPECULATION_CHOICES"]
 
@@ -16,6 +22,10 @@ SPECULATION_CHOICES: tuple[tuple[str, str], ...] = (
     ("auto", "Auto (pick what pays)"),
 )
 
+_GENERATE = edgeinfer.DEFAULT_GENERATE
+_SAMPLING = edgeinfer.DEFAULT_SAMPLING
+_SPECULATION = edgeinfer.DEFAULT_SPECULATION
+
 
 def _from_dict(cls: type, data: dict[str, Any]) -> Any:
     known = {f.name for f in fields(cls)}
@@ -24,14 +34,12 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    method: str = "off"
+    method: str = _SPECULATION.method
     draft_model: str | None = None
-    self_quant: str = "Q3_K_M"
-    draft_max: int = 16
+    self_quant: str = _SPECULATION.self_quant
+    draft_max: int = _SPECULATION.draft_max
 
-    def to_options(self) -> Any:
-        import edgeinfer
-
+    def to_options(self) -> edgeinfer.SpeculationOptions:
         return edgeinfer.SpeculationOptions(
             method=self.method,
             draft_model=self.draft_model if self.method == "draft" else None,
@@ -40,25 +48,23 @@ class SpeculationSettings:
         )
 
     def describe(self) -> str:
+        """In words: 'lookup, drafts up to 16 tokens', 'self-draft Q3_K_M, …', 'off'."""
         if self.method == "off":
-            return "spec off"
-        if self.method == "draft":
-            return f"spec draft={self.draft_model} k≤{self.draft_max}"
-        if self.method == "self":
-            return f"spec self={self.self_quant} k≤{self.draft_max}"
-        return f"spec {self.method} k≤{self.draft_max}"
+            return "off"
+        what = {"draft": f"draft model {self.draft_model}", "self": f"self-draft {self.self_quant}"}.get(self.method, self.method)
+        return f"{what}, drafts up to {self.draft_max} tokens"
 
 
 @dataclass(frozen=True)
 class ChatSettings:
     system_prompt: str = ""
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 512
+    temperature: float = _SAMPLING.temperature
+    top_k: int = _SAMPLING.top_k
+    top_p: float = _SAMPLING.top_p
+    min_p: float = _SAMPLING.min_p
+    repeat_penalty: float = _SAMPLING.repeat_penalty
+    seed: int | None = _SAMPLING.seed
+    max_tokens: int = _GENERATE.max_tokens
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,10 +77,8 @@ class ChatSettings:
         base = _from_dict(cls, data)
         return replace(base, speculation=spec)
 
-    def to_options(self) -> Any:
+    def to_options(self) -> edgeinfer.GenerateOptions:
         """edgeinfer.GenerateOptions, validated (raises InvalidOptionError with a one-line message)."""
-        import edgeinfer
-
         return edgeinfer.GenerateOptions(
             max_tokens=self.max_tokens,
             sampling=edgeinfer.SamplingOptions(

@@ -10,7 +10,7 @@ from tui_helpers import run, wait_for
 def _views(app):
     from edgeinfer_tui.widgets import MessageView
 
-    return list(app.messages_view.query(MessageView))
+    return list(app.chat_view.messages_view.query(MessageView))
 
 
 def test_send_streams_and_persists(make_app, backend, db_path):
@@ -19,25 +19,25 @@ def test_send_streams_and_persists(make_app, backend, db_path):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None, what="first chat")
+            await wait_for(pilot, lambda: app.chat_view.chat is not None, what="first chat")
             await pilot.press(*"hello there")
             await pilot.press("enter")
             await wait_for(pilot, lambda: len(_views(app)) == 2, what="user and assistant views")
-            assert app.chat_input.text == ""
+            assert app.chat_view.chat_input.text == ""
             backend.gate.release(2)  # two tokens: "Echo:" " hello"
             await wait_for(pilot, lambda: _views(app)[1].content == "Echo: hello", what="partial reply")
-            assert app.generating
+            assert app.chat_view.generating
             backend.gate.release(10)
-            await wait_for(pilot, lambda: not app.generating, what="end of reply")
+            await wait_for(pilot, lambda: not app.chat_view.generating, what="end of reply")
             reply = _views(app)[1]
             assert reply.content == "Echo: hello there"
             assert reply.markdown.source == "Echo: hello there"  # the final full update
             stats = str(app.chat_screen.query_one("#stats").render())
             assert "3 tokens" in stats and "tok/s" in stats
-            msgs = app.store.messages(app.chat.id)
+            msgs = app.store.messages(app.chat_view.chat.id)
             assert [(m.role, m.content) for m in msgs] == [("user", "hello there"), ("assistant", "Echo: hello there")]
             assert msgs[1].stats["finish_reason"] == "eos"
-            assert app.chat.title == "hello there"
+            assert app.chat_view.chat.title == "hello there"
             # what reached the engine: the chat so far, with the chat's sampling settings
             ref, messages, options = backend.calls[-1]
             assert messages == [{"role": "user", "content": "hello there"}]
@@ -50,12 +50,12 @@ def test_newline_keys_do_not_send(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await pilot.press("a", "ctrl+j", "b")
-            assert app.chat_input.text == "a\nb"
+            assert app.chat_view.chat_input.text == "a\nb"
             assert not backend.calls
             await pilot.press("enter")
-            await wait_for(pilot, lambda: backend.calls and not app.generating)
+            await wait_for(pilot, lambda: backend.calls and not app.chat_view.generating)
             assert backend.calls[-1][1][-1]["content"] == "a\nb"
 
     run(main())
@@ -67,23 +67,23 @@ def test_escape_cancels_and_keeps_partial_reply(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
-            app.chat_input.text = "one two three four"
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            app.chat_view.chat_input.text = "one two three four"
             await pilot.press("enter")
             backend.gate.release(2)
             await wait_for(pilot, lambda: len(_views(app)) == 2 and _views(app)[1].content == "Echo: one")
             await pilot.press("escape")
-            await wait_for(pilot, lambda: not app.generating, what="cancel")
+            await wait_for(pilot, lambda: not app.chat_view.generating, what="cancel")
             reply = _views(app)[1]
             assert reply.content == "Echo: one"
             assert "cancelled" in str(reply.query_one(".note").render())
-            msgs = app.store.messages(app.chat.id)
+            msgs = app.store.messages(app.chat_view.chat.id)
             assert msgs[-1].content == "Echo: one" and msgs[-1].stats["finish_reason"] == "cancelled"
             assert "cancelled" in str(app.chat_screen.query_one("#stats").render())
             # a new message works after a cancel
             backend.gate.release(100)
             await pilot.press("x", "enter")
-            await wait_for(pilot, lambda: len(_views(app)) == 4 and not app.generating)
+            await wait_for(pilot, lambda: len(_views(app)) == 4 and not app.chat_view.generating)
             assert _views(app)[3].content == "Echo: x"
 
     run(main())
@@ -96,14 +96,14 @@ def test_regenerate_replaces_last_reply(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await pilot.press("q", "enter")
-            await wait_for(pilot, lambda: len(_views(app)) == 2 and not app.generating)
+            await wait_for(pilot, lambda: len(_views(app)) == 2 and not app.chat_view.generating)
             assert _views(app)[1].content == "firstanswer"
             await pilot.press("ctrl+r")
-            await wait_for(pilot, lambda: len(backend.calls) == 2 and not app.generating)
+            await wait_for(pilot, lambda: len(backend.calls) == 2 and not app.chat_view.generating)
             await wait_for(pilot, lambda: len(_views(app)) == 2 and _views(app)[1].content == "secondanswer")
-            assert [m.content for m in app.store.messages(app.chat.id)] == ["q", "secondanswer"]
+            assert [m.content for m in app.store.messages(app.chat_view.chat.id)] == ["q", "secondanswer"]
             assert backend.calls[1][1] == [{"role": "user", "content": "q"}]
 
     run(main())
@@ -116,9 +116,9 @@ def test_copy_reply_and_last_code_block(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await pilot.press("c", "enter")
-            await wait_for(pilot, lambda: backend.calls and not app.generating)
+            await wait_for(pilot, lambda: backend.calls and not app.chat_view.generating)
             await pilot.press("f4")
             assert app.clipboard == reply
             await pilot.press("f9")
@@ -133,9 +133,9 @@ def test_engine_error_is_a_notification_not_a_crash(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await pilot.press("x", "enter")
-            await wait_for(pilot, lambda: backend.calls and not app.generating)
+            await wait_for(pilot, lambda: backend.calls and not app.chat_view.generating)
             await pilot.pause()
             assert any("context holds 4096" in n.message for n in app._notifications)
             assert len(_views(app)) == 1  # the empty reply is removed; the question stays
@@ -153,5 +153,92 @@ def test_model_load_error_is_shown(make_app, backend):
             await wait_for(pilot, lambda: any("not in the store" in n.message for n in app._notifications))
             assert "not in the store" in str(app.chat_screen.query_one("#stats").render())
             assert app.is_running
+
+    run(main())
+
+
+def test_speculation_being_prepared_shows_its_progress(make_app, backend):
+    """A first self-draft request quantizes the copy before its first token: the stats line says
+    so, with how far it is, instead of a bare 'generating…'."""
+    from edgeinfer import SpeculationProgress
+
+    what = "making the Q3_K_M self-draft of smollm2-135m-instruct:q4_1"
+    backend.preparing = (SpeculationProgress("quantize", what, 0, 200), SpeculationProgress("quantize", what, 90, 200))
+    backend.gate = threading.Semaphore(0)
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(140, 30)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            app.chat_view.chat_input.text = "hi"
+            await pilot.press("enter")
+            stats = app.chat_screen.query_one("#stats")
+            await wait_for(pilot, lambda: f"{what}: 45 %" in str(stats.render()), what="the preparation's progress")
+            backend.gate.release(10)
+            await wait_for(pilot, lambda: not app.chat_view.generating)
+            assert "2 tokens" in str(stats.render()) and what not in str(stats.render())
+
+    run(main())
+
+
+def test_a_cancelled_reply_is_kept_exactly_as_shown(make_app, backend):
+    """The text of a cancelled reply on the screen is the assistant turn the next request sends:
+    nothing more (no tokens the screen never showed), nothing less."""
+    backend.gate = threading.Semaphore(0)
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            view = app.chat_view
+            await wait_for(pilot, lambda: view.chat is not None)
+            view.chat_input.text = "apples pears plums figs"
+            await pilot.press("enter")
+            backend.gate.release(3)
+            await wait_for(pilot, lambda: len(_views(app)) == 2 and _views(app)[1].content == "Echo: apples pears")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not view.generating, what="cancel")
+            shown = _views(app)[1]
+            assert shown.content == "Echo: apples pears" and "cancelled" in str(shown.query_one(".note").render())
+            backend.gate.release(100)
+            view.chat_input.text = "repeat this list"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(backend.calls) == 2 and not view.generating)
+            assert backend.calls[1][1] == [
+                {"role": "user", "content": "apples pears plums figs"},
+                {"role": "assistant", "content": "Echo: apples pears"},
+                {"role": "user", "content": "repeat this list"},
+            ]
+            # regenerating the answer sends the same history again
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: len(backend.calls) == 3 and not view.generating)
+            assert backend.calls[2][1] == backend.calls[1][1]
+
+    run(main())
+
+
+def test_a_reply_cancelled_before_its_first_token_is_dropped(make_app, backend):
+    """Nothing came, so nothing is shown and nothing is kept: no empty assistant turn in the
+    history the next request sends."""
+    backend.gate = threading.Semaphore(0)
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            view = app.chat_view
+            await wait_for(pilot, lambda: view.chat is not None)
+            view.chat_input.text = "first"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(_views(app)) == 2 and view.active is not None and view.active.generation is not None)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not view.generating, what="cancel")
+            await pilot.pause()
+            assert [v.role for v in _views(app)] == ["user"]
+            assert [m.role for m in app.store.messages(view.chat.id)] == ["user"]
+            assert "cancelled" in str(app.chat_screen.query_one("#stats").render())
+            backend.gate.release(100)
+            view.chat_input.text = "second"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(backend.calls) == 2 and not view.generating)
+            assert backend.calls[1][1] == [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
 
     run(main())

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 
-from tui_helpers import run, wait_for
+from tui_helpers import open_screen, run, wait_for
 
 
 def _views(app):
     from edgeinfer_tui.widgets import MessageView
 
-    return list(app.messages_view.query(MessageView))
+    return list(app.chat_view.messages_view.query(MessageView))
 
 
 def _items(app):
@@ -22,20 +22,20 @@ def _items(app):
 
 async def _say(pilot, app, backend, text: str) -> None:
     n = len(backend.calls)
-    app.chat_input.text = text  # typing is covered in test_chat_flows; keep these fast
+    app.chat_view.chat_input.text = text  # typing is covered in test_chat_flows; keep these fast
     await pilot.press("enter")
-    await wait_for(pilot, lambda: len(backend.calls) == n + 1 and not app.generating, what=f"reply to {text!r}")
+    await wait_for(pilot, lambda: len(backend.calls) == n + 1 and not app.chat_view.generating, what=f"reply to {text!r}")
 
 
 def test_switch_chats_and_persist_across_restart(make_app, backend):
     async def first_session():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await _say(pilot, app, backend, "alpha")
-            first = app.chat.id
+            first = app.chat_view.chat.id
             await pilot.press("ctrl+n")
-            await wait_for(pilot, lambda: app.chat.id != first)
+            await wait_for(pilot, lambda: app.chat_view.chat.id != first)
             assert _views(app) == []
             await _say(pilot, app, backend, "beta")
             assert [i.title for i in _items(app)] == ["beta", "alpha"]
@@ -43,7 +43,7 @@ def test_switch_chats_and_persist_across_restart(make_app, backend):
             lst = app.chat_screen.query_one("#chats")
             lst.focus()
             await pilot.press("down", "enter")
-            await wait_for(pilot, lambda: app.chat.id == first)
+            await wait_for(pilot, lambda: app.chat_view.chat.id == first)
             await wait_for(pilot, lambda: [v.content for v in _views(app)] == ["alpha", "Echo: alpha"])
             # the history sent to the model is this chat's only
             await _say(pilot, app, backend, "again")
@@ -52,8 +52,8 @@ def test_switch_chats_and_persist_across_restart(make_app, backend):
     async def second_session():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None and len(_views(app)) == 4)
-            assert app.chat.title == "alpha"  # the most recently updated chat opens
+            await wait_for(pilot, lambda: app.chat_view.chat is not None and len(_views(app)) == 4)
+            assert app.chat_view.chat.title == "alpha"  # the most recently updated chat opens
             assert [v.content for v in _views(app)] == ["alpha", "Echo: alpha", "again", "Echo: again"]
             assert [i.title for i in _items(app)] == ["alpha", "beta"]
 
@@ -65,26 +65,26 @@ def test_rename_delete_export(make_app, backend, edgeinfer_home):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await _say(pilot, app, backend, "hello")
             await pilot.press("f2")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "PromptScreen")
             app.screen.query_one("#prompt-input").value = "Greetings"
             await pilot.press("enter")
-            await wait_for(pilot, lambda: app.chat.title == "Greetings")
+            await wait_for(pilot, lambda: app.chat_view.chat.title == "Greetings")
             assert _items(app)[0].title == "Greetings"
             await pilot.press("f3")
-            export = edgeinfer_home / "exports" / f"chat-{app.chat.id}.md"
+            export = edgeinfer_home / "exports" / f"chat-{app.chat_view.chat.id}.md"
             await wait_for(pilot, export.exists)
             text = export.read_text()
             assert text.startswith("# Greetings\n") and "## User\n\nhello" in text and "## Assistant\n\nEcho: hello" in text
-            doomed = app.chat.id
+            doomed = app.chat_view.chat.id
             await pilot.press("f8")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen")
             await pilot.press("y")
-            await wait_for(pilot, lambda: app.chat is not None and app.chat.id != doomed)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None and app.chat_view.chat.id != doomed)
             assert all(c.id != doomed for c in app.store.list_chats())
-            assert [i.chat_id for i in _items(app)] == [app.chat.id]
+            assert [i.chat_id for i in _items(app)] == [app.chat_view.chat.id]
 
     run(main())
 
@@ -93,7 +93,7 @@ def test_pick_model_mid_chat(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(120, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None and backend.loads)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None and backend.loads)
             await _say(pilot, app, backend, "hi")
             assert backend.calls[-1][0] == "smollm2-135m-instruct:q4_1"
             await pilot.press("ctrl+o")
@@ -104,7 +104,7 @@ def test_pick_model_mid_chat(make_app, backend):
             assert row[:5] == ["smollm2-135m-instruct:q8_0", "Q8_0", "145.0 MB", "8.50", "0.0040"]
             assert row[5:] == ["96.6 %", "122.0", "yes"]
             await pilot.press("down", "enter")
-            await wait_for(pilot, lambda: app.chat.model == "smollm2-135m-instruct:q8_0")
+            await wait_for(pilot, lambda: app.chat_view.chat.model == "smollm2-135m-instruct:q8_0")
             await wait_for(pilot, lambda: backend.loads[-1] == "smollm2-135m-instruct:q8_0")
             assert "q8_0" in app.sub_title
             await _say(pilot, app, backend, "again")
@@ -119,10 +119,8 @@ def test_settings_modal_validates_and_applies(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 40)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
-            await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "SettingsScreen")
-            screen = app.screen
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            screen = await open_screen(pilot, "ctrl+s", "SettingsScreen")
             screen.query_one("#system").text = "You are terse."
             screen.query_one("#set-temperature").value = "-1"
             await pilot.press("ctrl+s")
@@ -132,7 +130,7 @@ def test_settings_modal_validates_and_applies(make_app, backend):
             screen.query_one("#set-max_tokens").value = "64"
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
-            assert app.store.get_chat(app.chat.id).settings["temperature"] == 0
+            assert app.store.get_chat(app.chat_view.chat.id).settings["temperature"] == 0
             await _say(pilot, app, backend, "hi")
             _, messages, options = backend.calls[-1]
             assert messages[0] == {"role": "system", "content": "You are terse."}
@@ -145,7 +143,7 @@ def test_speculation_panel_stats_and_drafted_colouring(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             await pilot.press("ctrl+t")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "SpeculationScreen")
             app.screen.query_one("#spec-method").value = "lookup"
@@ -153,8 +151,8 @@ def test_speculation_panel_stats_and_drafted_colouring(make_app, backend):
             app.screen.query_one("#spec-show").value = True
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
-            assert app.settings.speculation.method == "lookup" and app.show_drafted
-            assert "spec lookup" in app.sub_title
+            assert app.chat_view.settings.speculation.method == "lookup" and app.chat_view.show_drafted
+            assert "speculation: lookup, drafts up to 8 tokens" in app.sub_title
             await _say(pilot, app, backend, "a b c d e")
             _, _, options = backend.calls[-1]
             assert options.speculation.method == "lookup" and options.speculation.draft_max == 8
@@ -168,9 +166,9 @@ def test_speculation_panel_stats_and_drafted_colouring(make_app, backend):
             assert view.display and not reply.markdown.display
             spans = [(s.start, s.end) for s in view.render().spans]
             assert spans == [(5, 9), (11, 15)]
-            assert app.store.messages(app.chat.id)[-1].drafted == [(5, 9), (11, 15)]
+            assert app.store.messages(app.chat_view.chat.id)[-1].drafted == [(5, 9), (11, 15)]
             await pilot.press("ctrl+g")
-            assert not app.show_drafted and reply.markdown.display and not view.display
+            assert not app.chat_view.show_drafted and reply.markdown.display and not view.display
 
     run(main())
 
@@ -179,17 +177,15 @@ def test_speculation_draft_requires_a_model(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
-            await pilot.press("ctrl+t")
-            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "SpeculationScreen")
-            screen = app.screen
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            screen = await open_screen(pilot, "ctrl+t", "SpeculationScreen")
             screen.query_one("#spec-method").value = "draft"
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: "needs a draft model" in str(screen.query_one("#spec-error").render()))
             screen.query_one("#spec-draft").value = "smollm2-135m-instruct:q4_k_m"
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
-            assert app.settings.speculation.draft_model == "smollm2-135m-instruct:q4_k_m"
+            assert app.chat_view.settings.speculation.draft_model == "smollm2-135m-instruct:q4_k_m"
 
     run(main())
 
@@ -205,15 +201,15 @@ def test_help_palette_and_remapped_keys(make_app, backend, tmp_path):
     async def main():
         app = make_app(config=config)
         async with app.run_test(size=(100, 40)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
             assert any("bogus" in n.message for n in app._notifications)
-            first = app.chat.id
+            first = app.chat_view.chat.id
             await pilot.press("f12")
-            await wait_for(pilot, lambda: app.chat.id != first, what="remapped new chat")
+            await wait_for(pilot, lambda: app.chat_view.chat.id != first, what="remapped new chat")
             await pilot.press("h", "enter", "i")
-            assert app.chat_input.text == "h\ni"  # enter is no longer send
+            assert app.chat_view.chat_input.text == "h\ni"  # enter is no longer send
             await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: backend.calls and not app.generating)
+            await wait_for(pilot, lambda: backend.calls and not app.chat_view.generating)
             await pilot.press("f1")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
             source = app.screen.query_one("Markdown").source

@@ -28,11 +28,11 @@ def test_real_model_reply_matches_library(default_model_path, db_path):
 
     async def main():
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
-            app.chat_input.text = question
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            app.chat_view.chat_input.text = question
             await pilot.press("enter")
-            await wait_for(pilot, lambda: app.last_done is not None, timeout=120, what="the real model's reply")
-            views = list(app.messages_view.query(MessageView))
+            await wait_for(pilot, lambda: app.chat_view.last_done is not None, timeout=120, what="the real model's reply")
+            views = list(app.chat_view.messages_view.query(MessageView))
             return views[-1].content, str(app.chat_screen.query_one("#stats").render())
 
     result = {}
@@ -48,3 +48,54 @@ def test_real_model_reply_matches_library(default_model_path, db_path):
     assert "tok/s" in stats and f"{len(expected.tokens)} tokens" in stats
     saved = ChatStore(db_path).messages(1)
     assert saved[-1].content == expected.text and saved[-1].stats["finish_reason"] == expected.finish_reason
+
+
+@pytest.mark.slow
+def test_after_a_cancelled_reply_the_next_answer_is_the_history_s_own(default_model_path, db_path):
+    """A chat whose earlier reply was cancelled: the next answer (and its regeneration) is what a
+    fresh engine answers to the history the chat shows, so nothing of the cancelled reply lives on
+    in the engine's reused KV cache beyond what the history holds (issue: 'repeat this list' was
+    answered with the cancelled reply's text)."""
+    import edgeinfer
+    from edgeinfer_tui.app import EdgeInferApp
+    from edgeinfer_tui.backend import LibraryBackend
+    from edgeinfer_tui.chat_store import ChatStore
+    from edgeinfer_tui.config import TuiConfig
+    from edgeinfer_tui.settings import ChatSettings
+    from edgeinfer_tui.widgets import MessageView
+
+    settings = ChatSettings(temperature=0.0, max_tokens=48)
+    store = ChatStore(db_path)
+    store.create_chat(settings=settings.to_dict())
+    store.close()
+    app = EdgeInferApp(LibraryBackend(edgeinfer.LoadOptions(n_ctx=2048)), db_path=db_path, config=TuiConfig())
+    answers: list[str] = []
+
+    async def main():
+        async with app.run_test(size=(100, 30)) as pilot:
+            view = app.chat_view
+            await wait_for(pilot, lambda: view.chat is not None)
+            view.chat_input.text = "List ten fruits, one per line."
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(view.messages_view.query(MessageView)) == 2
+                           and len(view.messages_view.query(MessageView).last().content) > 20, timeout=120, what="part of a list")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not view.generating, timeout=60, what="the cancel")
+            assert view.last_done.finish_reason == "cancelled"
+            for key in ("enter", "ctrl+r"):  # the question, then its regeneration
+                view.last_done = None
+                if key == "enter":
+                    view.chat_input.text = "Repeat this list: apple, banana, cherry."
+                await pilot.press(key)
+                await wait_for(pilot, lambda: view.last_done is not None, timeout=120, what="the answer")
+                answers.append(view.last_done.text)
+
+    run(main())
+    history = ChatStore(db_path).messages(1)
+    assert [m.role for m in history] == ["user", "assistant", "user", "assistant"]
+    assert history[1].stats["finish_reason"] == "cancelled"
+    turns = [(m.role, m.content) for m in history[:3]]
+    with edgeinfer.load(default_model_path, n_ctx=2048) as engine:
+        fresh = engine.chat(settings.messages(turns), settings.to_options()).result().text
+    assert answers == [fresh, fresh]
+    assert history[3].content == fresh

@@ -1,5 +1,5 @@
-"""Pilot tests of the manage screen: models table and delete, quality ladder, tasks with progress,
-features this version lacks, and the real LibraryBackend's feature detection."""
+"""Pilot tests of the manage screen: models table and delete, quality ladder, tasks with progress
+and the keys that start them; the real LibraryBackend's rows and the library's progress events."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from tui_helpers import run, wait_for
 
 
 async def _open_manage(pilot, app):
-    await wait_for(pilot, lambda: app.chat is not None)
+    await wait_for(pilot, lambda: app.chat_view.chat is not None)
     await pilot.press("ctrl+l")
     await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ManageScreen")
     screen = app.screen
@@ -70,8 +70,6 @@ def test_quantize_task_progress_and_error(make_app, backend):
 
 
 def test_pull_shows_one_bar_per_file(make_app, backend):
-    backend.available["pull"] = True
-
     async def main():
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
@@ -89,63 +87,78 @@ def test_pull_shows_one_bar_per_file(make_app, backend):
     run(main())
 
 
-def test_progress_events_of_the_library_map_to_bars():
-    """The real progress dataclasses of hub / quantize / convert / evaluate, where this version has them."""
-    import importlib.util
-
-    from edgeinfer_tui.backend import progress_from_event
-
-    if importlib.util.find_spec("edgeinfer.hub"):
-        from edgeinfer import DownloadProgress, PullStage
-
-        p = progress_from_event(DownloadProgress(file="a.gguf", done=5, total=10, rate=1.0, index=2, count=3), "pull")
-        assert (p.key, p.done, p.total, p.message) == ("a.gguf", 5, 10, None)
-        assert progress_from_event(PullStage(stage="convert", message="converting"), "pull").message == "converting"
-    if importlib.util.find_spec("edgeinfer.quantize"):
-        from edgeinfer.quantize import QuantizeProgress
-
-        p = progress_from_event(QuantizeProgress(tensor_index=3, n_tensors=30, tensor_name="blk.0.attn_q.weight", type_name="Q4_K"), "quantize")
-        assert (p.done, p.total, p.label) == (3, 30, "blk.0.attn_q.weight → Q4_K")
-    if importlib.util.find_spec("edgeinfer.convert"):
-        from edgeinfer.convert import ConvertProgress
-
-        p = progress_from_event(ConvertProgress(tensor="token_embd.weight", index=1, count=30, bytes_done=1, bytes_total=9), "convert")
-        assert (p.done, p.total, p.label) == (1, 30, "token_embd.weight")
-    if importlib.util.find_spec("edgeinfer.evaluate"):
-        from edgeinfer.evaluate import EvalProgress
-
-        p = progress_from_event(EvalProgress(model="m:q4", chunk=2, n_chunks=8), "evaluate")
-        assert (p.done, p.total) == (2, 8)
-
-
-def test_missing_features_say_so(make_app, backend):
-    backend.available = {"pull": False, "convert": False, "quantize": True, "evaluate": False}
+def test_task_tab_focuses_its_first_field_and_enter_starts_it(make_app, backend):
+    """Ctrl+L, then the Pull tab: typing goes into the repository field at once; Enter pulls."""
 
     async def main():
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
             screen = await _open_manage(pilot, app)
-            for kind in ("pull", "convert", "evaluate"):
-                text = str(screen.query_one(f"#{kind}-unavailable").render())
-                assert "not available in this version" in text
-                assert not screen.query(f"#start-{kind}")
-            assert screen.query("#start-quantize")
+            screen.query_one("#manage-tabs").active = "tab-pull"
+            await wait_for(pilot, lambda: app.focused is screen.query_one("#pull-source"), what="the pull field focused")
+            await pilot.press(*"org/repo:Q4_K_M")
+            assert screen.query_one("#pull-source").value == "org/repo:Q4_K_M"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: "done → org-repo:q4_k_m" in str(screen.query_one("#pull-result").render()))
+            assert backend.tasks == [("pull", {"source": "org/repo:Q4_K_M"})]
+            # the second field of a task also starts it with Enter
+            screen.query_one("#manage-tabs").active = "tab-quantize"
+            await wait_for(pilot, lambda: app.focused is screen.query_one("#quantize-source"))
+            await pilot.press(*"m:f16", "tab", *"Q8_0", "enter")
+            await wait_for(pilot, lambda: len(backend.tasks) == 2 and "done" in str(screen.query_one("#quantize-result").render()))
+            assert backend.tasks[-1] == ("quantize", {"source": "m:f16", "qtype": "Q8_0"})
 
     run(main())
 
 
-def test_library_backend_features_and_models(default_model_path):
-    """The real backend: the store lists the default model with its facts; features match modules."""
-    import importlib.util
+def test_progress_events_of_the_library_map_to_bars():
+    """The library's own progress events, as the manage screen shows them."""
+    from pathlib import Path
 
-    from edgeinfer_tui.backend import FEATURES, LibraryBackend
+    from edgeinfer import DownloadProgress, PullPlan, PullStage
+    from edgeinfer.convert import ConvertProgress
+    from edgeinfer.evaluate import EvalProgress
+    from edgeinfer.quantize import QuantizeProgress
+    from edgeinfer_tui.backend import progress_from_event
+
+    p = progress_from_event(DownloadProgress(file="a.gguf", done=5, total=10, rate=0.0, index=2, count=3), "pull")
+    assert (p.key, p.label, p.done, p.total, p.message) == ("a.gguf", "a.gguf downloading", 5, 10, None)  # no rate yet
+    p = progress_from_event(DownloadProgress(file="a.gguf", done=5, total=10, rate=2_500_000.0), "pull")
+    assert p.label == "a.gguf downloading 2.5 MB/s"
+    p = progress_from_event(DownloadProgress(file="a.gguf", done=10, total=10, rate=2_500_000.0, status="verifying"), "pull")
+    assert p.label == "a.gguf verifying"
+    assert progress_from_event(PullStage(stage="convert", message="converting"), "pull").message == "converting"
+    plan = PullPlan(repo="org/repo", revision="main", commit="0123456789abcdef" * 2 + "01234567", kind="gguf",
+                    quant="Q4_K_M", files=(), total_bytes=2_000_000, cached_bytes=0, partial_bytes=0, output_bytes=0,
+                    weights_bytes=2_000_000, cache_dir=Path("c"), store_dir=Path("s"), free_cache_bytes=1 << 40,
+                    free_store_bytes=1 << 40, ram_available_bytes=None, ram_needed_bytes=0, endpoint="http://x")
+    assert progress_from_event(plan, "pull").message == "org/repo @ 0123456789: gguf Q4_K_M, 2.0 MB to fetch"
+    p = progress_from_event(QuantizeProgress(tensor_index=3, n_tensors=30, tensor_name="blk.0.attn_q.weight", type_name="Q4_K"), "quantize")
+    assert (p.key, p.done, p.total, p.label) == ("quantize", 3, 30, "blk.0.attn_q.weight → Q4_K")
+    p = progress_from_event(ConvertProgress(tensor="token_embd.weight", index=1, count=30, bytes_done=1, bytes_total=9), "convert")
+    assert (p.done, p.total, p.label) == (1, 30, "token_embd.weight")
+    p = progress_from_event(EvalProgress(model="m:q4", chunk=2, n_chunks=8), "evaluate")
+    assert (p.key, p.done, p.total, p.label) == ("evaluate-m:q4", 2, 8, "m:q4 chunk 2/8")
+
+
+def test_library_backend_rows_come_from_the_manifest_and_fit(default_model_path, edgeinfer_home):
+    """The real backend: a row holds the manifest's facts, the metrics evaluate and bench saved
+    (same-top as a percentage) and edgeinfer.fit's verdict for the RAM available."""
+    import edgeinfer
+    from edgeinfer.fit import fit
+    from edgeinfer_tui.backend import LibraryBackend, entry_from_manifest
 
     be = LibraryBackend()
-    entries = be.list_models()
-    default = next(e for e in entries if e.ref == be.default_ref())
-    assert default.quant and default.size > 10_000_000 and 4.0 < default.bits_per_weight < 6.0
-    assert default.fits in (True, False)
-    feats = be.features()
-    for kind, module in FEATURES.items():
-        if importlib.util.find_spec(module) is None:
-            assert feats[kind] is False
+    store = edgeinfer.Store()
+    default = next(e for e in be.list_models() if e.ref == be.default_ref())
+    manifest = next(m for m in store.list() if m.ref == be.default_ref())
+    assert (default.quant, default.size, default.bits_per_weight) == (manifest.quant, manifest.size, manifest.bits_per_weight)
+    assert default.fits is fit(default.ref).fits
+    need = fit(default.ref, available=0).estimate.total
+    assert entry_from_manifest(manifest, available=need - 1).fits is False
+    assert entry_from_manifest(manifest, available=need).fits is True
+    store.update_metrics(manifest.ref, "eval", {"ppl": 10.9, "kld": 0.06, "same_top": 0.877})
+    store.update_metrics(manifest.ref, "bench", {"decode_tok_s": 118.0})
+    row = next(e for e in be.list_models() if e.ref == be.default_ref())
+    assert (row.ppl, row.kld, row.tok_s) == (10.9, 0.06, 118.0)
+    assert abs(row.same_top - 87.7) < 1e-9

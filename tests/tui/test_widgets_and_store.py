@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 from host_app import HostApp
 from tui_helpers import run, wait_for
 
@@ -73,24 +74,24 @@ def test_view_does_not_jump_while_the_user_scrolls_back(make_app, backend):
     async def main():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat is not None)
-            app.chat_input.text = "long please"
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            app.chat_view.chat_input.text = "long please"
             await pilot.press("enter")
             backend.gate.release(30)
-            view = app.messages_view
+            view = app.chat_view.messages_view
             await wait_for(pilot, lambda: "line 29" in list(view.query(MessageView))[-1].content)
             await wait_for(pilot, lambda: view.max_scroll_y > 10 and view.scroll_y == view.max_scroll_y)
             view.scroll_home(animate=False)  # the user scrolls back (releases the anchor)
             await wait_for(pilot, lambda: view.scroll_y == 0)
             backend.gate.release(100)
-            await wait_for(pilot, lambda: not app.generating)
+            await wait_for(pilot, lambda: not app.chat_view.generating)
             await pilot.pause()
             assert view.scroll_y == 0  # still where the user is reading
             # sending again follows the new reply to the bottom
             backend.script = lambda messages, options: [("ok", False)]
-            app.chat_input.text = "thanks"
+            app.chat_view.chat_input.text = "thanks"
             await pilot.press("enter")
-            await wait_for(pilot, lambda: not app.generating and backend.calls and backend.calls[-1][1][-1]["content"] == "thanks")
+            await wait_for(pilot, lambda: not app.chat_view.generating and backend.calls and backend.calls[-1][1][-1]["content"] == "thanks")
             await wait_for(pilot, lambda: view.scroll_y == view.max_scroll_y)
 
     run(main())
@@ -128,6 +129,7 @@ def test_store_lives_in_edgeinfer_home(edgeinfer_home):
     store.close()
 
 
+@pytest.mark.slow  # a subprocess that imports the CLI
 def test_cli_without_textual_is_one_line_error():
     code = (
         "import sys; sys.modules['textual'] = None\n"  # as if textual were not installed
@@ -139,6 +141,7 @@ def test_cli_without_textual_is_one_line_error():
     assert proc.stderr.strip() == "edgeinfer: error: the chat UI needs textual: pip install 'edgeinfer[tui]'"
 
 
+@pytest.mark.slow  # a subprocess that imports the CLI
 def test_cli_unknown_model_is_one_line_error(edgeinfer_home):
     proc = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "no-such-model:q4"], capture_output=True, text=True)
     assert proc.returncode == 1
@@ -148,12 +151,12 @@ def test_cli_unknown_model_is_one_line_error(edgeinfer_home):
 
 def test_stats_line_says_when_a_drafter_switched_itself_off():
     from edgeinfer import GenerationStats, SpeculationStats
-    from edgeinfer_tui.app import _snapshot
+    from edgeinfer_tui.live_stats import LiveStats
 
     stats = GenerationStats(prompt_tokens=12, generated_tokens=11, decode_s=0.5)
     stats.speculation = SpeculationStats(method="self=Q3_K_M", plain_steps=10,
                                          note="self=Q3_K_M off: a drafted token costs 0.71 target steps")
-    line = _snapshot(stats, 0.0).line("smollm2")
+    line = LiveStats.of(stats, 0.0).line("smollm2")
     assert line.startswith("11 tokens · 20.0 tok/s · self=Q3_K_M off ·") and "accepted" not in line
     stats.speculation.note = ""
-    assert "· self=Q3_K_M ·" in _snapshot(stats, 0.0).line("smollm2")
+    assert "· self=Q3_K_M ·" in LiveStats.of(stats, 0.0).line("smollm2")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import edgeinfer
-from edgeinfer import DoneEvent, GenerationStats, SpeculationStats, TokenEvent
+from edgeinfer import DoneEvent, GenerationStats, SpeculationProgress, SpeculationStats, TokenEvent
 from edgeinfer_tui.backend import LoadedModel, ModelEntry, TaskProgress
 
 Script = Callable[[list[dict[str, str]], Any], list[tuple[str, bool]]]
@@ -31,8 +31,10 @@ def echo_script(messages: list[dict[str, str]], options: Any) -> list[tuple[str,
 
 
 class ScriptedGeneration:
-    def __init__(self, tokens: list[tuple[str, bool]], delay: float, gate: threading.Semaphore | None, method: str):
+    def __init__(self, tokens: list[tuple[str, bool]], delay: float, gate: threading.Semaphore | None, method: str,
+                 preparing: tuple[SpeculationProgress, ...] = ()):
         self.tokens = tokens
+        self.preparing = preparing
         self.delay = delay
         self.gate = gate
         self._cancel = threading.Event()
@@ -56,6 +58,7 @@ class ScriptedGeneration:
 
     def __iter__(self):
         t0 = time.perf_counter()
+        yield from self.preparing  # as a generation whose speculation was not prepared yet
         text, ids = [], []
         reason = "eos"
         run = 0
@@ -98,7 +101,8 @@ class ScriptedEngine:
         if self.backend.fail_chat:
             raise edgeinfer.ContextLengthError(self.backend.fail_chat)
         tokens = self.backend.script(messages, options)
-        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method)
+        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method,
+                                  self.backend.preparing)
 
     def close(self) -> None:
         self.closed = True
@@ -121,7 +125,7 @@ class FakeBackend:
     gate: threading.Semaphore | None = None
     fail_load: dict[str, str] = field(default_factory=dict)  # ref -> error message
     fail_chat: str | None = None
-    available: dict[str, bool] = field(default_factory=lambda: {"pull": False, "convert": True, "quantize": True, "evaluate": False})
+    preparing: tuple[SpeculationProgress, ...] = ()  # yielded before the first token
     calls: list[tuple[str, list[dict[str, str]], Any]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     tasks: list[tuple[str, dict[str, str]]] = field(default_factory=list)
@@ -143,9 +147,6 @@ class FakeBackend:
         if not any(m.ref == ref for m in self.models):
             raise edgeinfer.ModelNotFoundError(f"model {ref} is not in the store")
         self.models = [m for m in self.models if m.ref != ref]
-
-    def features(self) -> dict[str, bool]:
-        return dict(self.available)
 
     def run_task(self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel=None) -> str:
         self.tasks.append((kind, args))

@@ -17,3 +17,10 @@ async def wait_for(pilot, predicate, timeout: float = 20.0, what: str = "conditi
 
 def run(coro) -> None:
     asyncio.run(coro)
+
+
+async def open_screen(pilot, key: str, name: str):
+    """Press `key` and wait until the screen class `name` is on top; returns that screen."""
+    await pilot.press(key)
+    await wait_for(pilot, lambda: pilot.app.screen.__class__.__name__ == name, what=name)
+    return pilot.app.screen

@@ -1,0 +1,80 @@
+"""The dialogs through their widgets' state: what has the focus when one opens, what Enter does,
+labels that do not run into their fields, notices that read as sentences, the library's defaults."""
+
+from __future__ import annotations
+
+from tui_helpers import open_screen, run, wait_for
+
+
+def _labels_clear_of_their_fields(screen) -> None:
+    for row in screen.query(".field"):
+        label, field = row.children[0], row.children[1]
+        text = str(label.render())
+        assert len(text) < label.content_region.width, f"{text!r} is cut or touches its field"
+        assert label.region.x + len(text) < field.region.x, f"{text!r} runs into its field"
+
+
+def test_settings_dialog_opens_on_the_system_prompt_and_enter_saves(make_app, backend):
+    import edgeinfer
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 40)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            screen = await open_screen(pilot, "ctrl+s", "SettingsScreen")
+            await wait_for(pilot, lambda: app.focused is screen.query_one("#system"), what="the system prompt focused")
+            await pilot.press(*"Be brief.")  # typed text lands in the first field, nothing is lost
+            assert screen.query_one("#system").text == "Be brief."
+            # the fields show the chat's settings: for a new chat, the library's defaults
+            sampling = edgeinfer.SamplingOptions()
+            assert screen.query_one("#set-temperature").value == str(sampling.temperature)
+            assert screen.query_one("#set-top_k").value == str(sampling.top_k)
+            assert screen.query_one("#set-seed").value == ""
+            assert screen.query_one("#set-max_tokens").value == str(edgeinfer.GenerateOptions().max_tokens)
+            _labels_clear_of_their_fields(screen)
+            await pilot.press("tab")
+            await pilot.press("enter")  # Enter in a field saves
+            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
+            assert app.chat_view.settings.system_prompt == "Be brief."
+            assert app.store.get_chat(app.chat_view.chat.id).settings["system_prompt"] == "Be brief."
+
+    run(main())
+
+
+def test_speculation_dialog_focus_layout_and_notice(make_app, backend):
+    import edgeinfer
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            screen = await open_screen(pilot, "ctrl+t", "SpeculationScreen")
+            await wait_for(pilot, lambda: app.focused is screen.query_one("#spec-method"))
+            # a new chat drafts up to the library's default length
+            assert screen.query_one("#spec-k").value == str(edgeinfer.SpeculationOptions().draft_max)
+            _labels_clear_of_their_fields(screen)
+            screen.query_one("#spec-method").value = "lookup"
+            screen.query_one("#spec-k").value = "16"
+            screen.query_one("#spec-k").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
+            assert app._notifications and list(app._notifications)[-1].message == "Speculation: lookup, drafts up to 16 tokens."
+            assert app.sub_title.endswith("speculation: lookup, drafts up to 16 tokens")
+
+    run(main())
+
+
+def test_speculation_settings_describe_themselves_in_words():
+    from edgeinfer_tui.settings import SpeculationSettings
+
+    assert SpeculationSettings(method="off").describe() == "off"
+    assert SpeculationSettings(method="auto", draft_max=8).describe() == "auto, drafts up to 8 tokens"
+    assert SpeculationSettings(method="self", self_quant="Q3_K_M", draft_max=4).describe() == "self-draft Q3_K_M, drafts up to 4 tokens"
+    assert SpeculationSettings(method="draft", draft_model="m:q4", draft_max=3).describe() == "draft model m:q4, drafts up to 3 tokens"
+
+
+def test_new_chat_settings_are_the_library_defaults():
+    import edgeinfer
+    from edgeinfer_tui.settings import ChatSettings
+
+    assert ChatSettings().to_options() == edgeinfer.GenerateOptions().validate()

@@ -1,0 +1,259 @@
+"""The main screen: the sidebar of chats and the open chat (a ChatView), and the actions on chats.
+
+Chats are created, opened, renamed, deleted and exported here; the reply and the actions on it
+belong to the ChatView; loading models belongs to the app (this screen asks for one with
+ModelWanted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message as TMessage
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Label
+
+from .backend import Backend
+from .chat_store import ChatStore, export_markdown
+from .chat_view import ChatView, one_line
+from .config import ACTIONS, TuiConfig
+from .manage import ManageScreen
+from .modals.confirm import ConfirmScreen
+from .modals.model_picker import ModelPickerScreen
+from .modals.prompt import PromptScreen
+from .modals.settings import SettingsScreen
+from .modals.speculation import SpeculationScreen
+from .model_host import ModelHost
+from .settings import ChatSettings, SpeculationSettings
+from .widgets import ChatList, ChatListItem
+
+__all__ = ["ChatScreen"]
+
+
+class ChatScreen(Screen):
+    """Chats on the left, the open chat on the right. Its key bindings are the chat actions, so
+    they are active (and in the footer) only while this screen is."""
+
+    BINDINGS = [
+        Binding(a.keys, a.id, a.description, show=a.show, id=f"edgeinfer.{a.id}", tooltip=a.help)
+        for a in ACTIONS
+        if a.id != "help"  # the app's own binding: help works on every screen
+    ]
+
+    class ModelWanted(TMessage):
+        """The open chat's model should be loaded (the app loads it in the background)."""
+
+        def __init__(self, ref: str):
+            super().__init__()
+            self.ref = ref
+
+    def __init__(self, store: ChatStore, models: ModelHost, config: TuiConfig, *, initial_model: str | None = None):
+        super().__init__(id="chat-screen")
+        self.store = store
+        self.models = models
+        self.config = config
+        self.initial_model = initial_model  # `edgeinfer chat MODEL`
+        self.chat_view = ChatView(
+            store, models, config, default_model=initial_model or models.backend.default_ref(), id="chat-pane"
+        )
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Under a dialog this screen's keys do nothing, so its footer does not offer them."""
+        return self.is_active
+
+    @property
+    def backend(self) -> Backend:
+        return self.models.backend
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            with Vertical(id="sidebar"):
+                yield Label("Chats", id="sidebar-title")
+                yield ChatList(id="chats")
+            yield self.chat_view
+        yield Footer()
+
+    @property
+    def chat_list(self) -> ChatList:
+        return self.query_one(ChatList)
+
+    def on_mount(self) -> None:
+        self.call_after_refresh(self._start)
+
+    def _start(self) -> None:
+        view = self.chat_view
+        view.messages_view.anchor()
+        chats = self.store.list_chats()
+        for c in chats:
+            self.chat_list.append(ChatListItem(c.id, c.title))
+        if chats:
+            self.open_chat(chats[0].id)
+            if self.initial_model and view.model_ref != self.initial_model:
+                view.update_chat(model=self.initial_model)  # the model asked for on the command line wins
+        else:
+            self.new_chat()
+        view.chat_input.focus()
+        self.post_message(self.ModelWanted(view.model_ref))
+
+    def _refresh_header(self) -> None:
+        view = self.chat_view
+        self.app.sub_title = f"{view.model_ref} · speculation: {view.settings.speculation.describe()}"
+
+    # -- chats -----------------------------------------------------------------------------------
+    def new_chat(self) -> None:
+        """A new chat, with the open chat's model and settings."""
+        view = self.chat_view
+        model = self.initial_model if view.chat is None else view.model_ref
+        chat = self.store.create_chat(model=model, settings=view.settings.to_dict())
+        self.chat_list.insert(0, [ChatListItem(chat.id, chat.title)])
+        self.open_chat(chat.id)
+
+    def open_chat(self, chat_id: int) -> None:
+        self.chat_view.show_chat(self.store.get_chat(chat_id))
+        lst = self.chat_list
+        for i, item in enumerate(lst.children):
+            if isinstance(item, ChatListItem) and item.chat_id == chat_id and lst.index != i:
+                lst.index = i
+        self._refresh_header()
+
+    def _list_item(self, chat_id: int) -> ChatListItem | None:
+        for item in self.query(ChatListItem):
+            if item.chat_id == chat_id:
+                return item
+        return None
+
+    @on(ChatList.Selected)
+    def _chat_selected(self, event: ChatList.Selected) -> None:
+        item = event.item
+        chat = self.chat_view.chat
+        if isinstance(item, ChatListItem) and (chat is None or item.chat_id != chat.id):
+            self.open_chat(item.chat_id)
+            self.chat_view.chat_input.focus()
+
+    @on(ChatView.ChatChanged)
+    def _chat_changed(self, event: ChatView.ChatChanged) -> None:
+        item = self._list_item(event.chat.id)
+        if item is not None and item.title != event.chat.title:
+            item.set_title(event.chat.title)
+        self._refresh_header()
+
+    # -- actions on chats ------------------------------------------------------------------------
+    def action_new_chat(self) -> None:
+        self.new_chat()
+        self.chat_view.chat_input.focus()
+
+    def action_rename_chat(self) -> None:
+        chat = self.chat_view.chat
+        if chat is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title and self.chat_view.chat is not None:
+                self.chat_view.update_chat(title=title)
+
+        self.app.push_screen(PromptScreen("Rename chat", chat.title), done)
+
+    def action_delete_chat(self) -> None:
+        chat = self.chat_view.chat
+        if chat is None:
+            return
+
+        def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            self.chat_view.forget_reply(chat.id)
+            self.store.delete_chat(chat.id)
+            item = self._list_item(chat.id)
+            if item is not None:
+                item.remove()
+            chats = self.store.list_chats()
+            if chats:
+                self.open_chat(chats[0].id)
+            else:
+                self.new_chat()
+
+        self.app.push_screen(ConfirmScreen(f"Delete the chat {chat.title!r}? (y/n)"), done)
+
+    def action_export_chat(self) -> None:
+        chat = self.chat_view.chat
+        if chat is None:
+            return
+        import edgeinfer.paths
+        from edgeinfer.fsutil import atomic_write_text
+
+        target = edgeinfer.paths.home() / "exports" / f"chat-{chat.id}.md"
+        try:
+            atomic_write_text(target, export_markdown(chat, self.store.messages(chat.id)))
+        except OSError as e:
+            self.notify(f"export failed: {one_line(e)}", severity="error")
+            return
+        self.notify(f"Exported to {target}", timeout=8)
+
+    def action_manage(self) -> None:
+        self.app.push_screen(ManageScreen(self.backend))
+
+    # -- dialogs that change the open chat -------------------------------------------------------
+    def action_settings(self) -> None:
+        def done(result: ChatSettings | None) -> None:
+            if result is not None:
+                self.chat_view.update_chat(settings=result.to_dict())
+                self.notify("Settings saved for this chat.")
+
+        self.app.push_screen(SettingsScreen(self.chat_view.settings), done)
+
+    def action_speculation(self) -> None:
+        view = self.chat_view
+
+        def done(result: tuple[SpeculationSettings, bool] | None) -> None:
+            if result is None:
+                return
+            spec, show = result
+            view.update_chat(settings=replace(view.settings, speculation=spec).to_dict())
+            if show != view.show_drafted:
+                view.action_toggle_drafted()
+            self.notify(f"Speculation: {spec.describe()}.")
+
+        self.app.push_screen(SpeculationScreen(view.settings.speculation, view.show_drafted, self._model_refs()), done)
+
+    def _model_refs(self) -> list[str]:
+        try:
+            return [e.ref for e in self.backend.list_models()]
+        except Exception:  # noqa: BLE001 - the panel works without the list
+            return []
+
+    def action_pick_model(self) -> None:
+        view = self.chat_view
+
+        def done(ref: str | None) -> None:
+            if not ref or view.chat is None:
+                return
+            if view.generating:
+                self.notify("Cancel the reply first (Esc), then switch models.", severity="warning")
+                return
+            view.update_chat(model=ref)
+            view.set_stats(f"{ref} · loading…")
+            self.post_message(self.ModelWanted(ref))
+
+        self.app.push_screen(ModelPickerScreen(self.backend, view.model_ref), done)
+
+    # -- the reply's actions are the ChatView's; the keys are bound here so they work wherever
+    # -- the focus is on this screen (the sidebar included)
+    def action_cancel(self) -> None:
+        self.chat_view.action_cancel()
+
+    def action_regenerate(self) -> None:
+        self.chat_view.action_regenerate()
+
+    def action_copy_reply(self) -> None:
+        self.chat_view.action_copy_reply()
+
+    def action_copy_code(self) -> None:
+        self.chat_view.action_copy_code()
+
+    def action_toggle_drafted(self) -> None:
+        self.chat_view.action_toggle_drafted()

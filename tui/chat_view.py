@@ -1,0 +1,464 @@
+"""ChatView: one open chat — its messages, the stats line and the input — and the reply being made.
+
+The view owns the reply: its thread worker runs the generation and appends tokens to the reply's
+buffer, posting one TokensReady message when the buffer was idle; the view drains the buffer in
+batches, at most every FLUSH_S and stretched so that rendering stays within UI_CPU_BUDGET of a core.
+The UI never waits on generation and generation never waits on the UI. SQLite and widgets are
+touched from the UI thread only.
+
+A cancelled reply is kept exactly as the screen shows it (its text, marked CANCELLED_NOTE), and the
+next request sends it as part of the history; a reply cancelled before its first token shows
+nothing and is dropped, so the history never holds a turn the screen does not show.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
+from textual.message import Message as TMessage
+from textual.widgets import Static
+
+from edgeinfer import DoneEvent, GenerateOptions, Generation, SpeculationProgress, TokenEvent
+
+from .chat_store import Chat, ChatStore
+from .config import TuiConfig
+from .live_stats import LiveStats, preparing_line
+from .model_host import ModelHost
+from .settings import ChatSettings
+from .widgets import ChatInput, MessageView, last_code_block, merge_spans
+
+__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "one_line"]
+
+FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second...
+MAX_FLUSH_S = 0.5  # ...and at least twice a second
+# ...but the UI's own CPU while a reply streams stays under this share of one core, so rendering
+# (Markdown layout, compositing: tens of ms per frame on a slow CPU) cannot eat into decoding: the
+# interval between drains stretches to (UI CPU per frame) / UI_CPU_BUDGET.
+UI_CPU_BUDGET = 0.05
+# Under a cancelled reply: it stays in the history the model sees, so the note says so.
+CANCELLED_NOTE = "(cancelled; kept in the conversation)"
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of an error's message (the library's errors are one line already)."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+# -- messages from the worker ---------------------------------------------------------------------
+class TokensReady(TMessage):
+    """Tokens are waiting in the reply's buffer (posted once per drain, not once per token)."""
+
+    def __init__(self, gen_id: int):
+        super().__init__()
+        self.gen_id = gen_id
+
+
+class SpeculationPreparing(TMessage):
+    """The generation is preparing its speculation (e.g. quantizing a self-draft) before its first token."""
+
+    def __init__(self, gen_id: int, progress: SpeculationProgress):
+        super().__init__()
+        self.gen_id, self.progress = gen_id, progress
+
+
+class GenerationFinished(TMessage):
+    def __init__(self, gen_id: int, done: DoneEvent, stats: LiveStats):
+        super().__init__()
+        self.gen_id, self.done, self.stats = gen_id, done, stats
+
+
+class GenerationFailed(TMessage):
+    def __init__(self, gen_id: int, error: str):
+        super().__init__()
+        self.gen_id, self.error = gen_id, error
+
+
+@dataclass
+class ActiveReply:
+    """The reply being generated. The worker appends to `pending` under `lock` and posts one
+    TokensReady when the buffer was idle; the UI drains it at most every FLUSH_S."""
+
+    gen_id: int
+    chat_id: int
+    model: str
+    view: MessageView | None
+    drafted: list[tuple[int, int]] = field(default_factory=list)
+    length: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    generation: Generation | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list[tuple[str, bool]] = field(default_factory=list)
+    wake_posted: bool = False
+    n_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    last_render: float = 0.0
+    ui_cpu_mark: float | None = None  # main-thread CPU time at the previous drain
+    frame_cpu: float = 0.0  # EMA of the UI's CPU seconds per drain (render included)
+    drain_scheduled: bool = False
+
+    def own_rate(self) -> float:
+        """Tokens per second as seen by the UI (after the first token)."""
+        if self.first_token_at is None or self.last_token_at is None or self.n_tokens < 2:
+            return 0.0
+        dt = self.last_token_at - self.first_token_at
+        return (self.n_tokens - 1) / dt if dt > 0 else 0.0
+
+    def flush_interval(self) -> float:
+        return min(max(FLUSH_S, self.frame_cpu / UI_CPU_BUDGET), MAX_FLUSH_S)
+
+
+class ChatView(Vertical):
+    """The open chat and the reply being generated for it."""
+
+    class ChatChanged(TMessage):
+        """The chat's title, model or settings changed (the screen updates its sidebar and header)."""
+
+        def __init__(self, chat: Chat):
+            super().__init__()
+            self.chat = chat
+
+    def __init__(self, store: ChatStore, models: ModelHost, config: TuiConfig, *, default_model: str, **kw: Any):
+        super().__init__(**kw)
+        self.store = store
+        self.models = models
+        self.config = config
+        self.default_model = default_model  # for a chat that names no model
+        self.chat: Chat | None = None
+        self.settings = ChatSettings()
+        self.show_drafted = False
+        self.active: ActiveReply | None = None
+        self.last_stats: LiveStats | None = None
+        self.last_done: DoneEvent | None = None
+        self._gen_counter = 0
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(id="messages")
+        yield Static("", id="stats")
+        yield ChatInput(id="input", send_keys=self.config.key_list("send"), newline_keys=self.config.key_list("newline"))
+
+    # -- parts and state -------------------------------------------------------------------------
+    @property
+    def messages_view(self) -> VerticalScroll:
+        return self.query_one("#messages", VerticalScroll)
+
+    @property
+    def chat_input(self) -> ChatInput:
+        return self.query_one(ChatInput)
+
+    @property
+    def generating(self) -> bool:
+        return self.active is not None
+
+    @property
+    def model_ref(self) -> str:
+        """The model this chat talks to."""
+        if self.chat is not None and self.chat.model:
+            return self.chat.model
+        return self.default_model
+
+    def set_stats(self, text: str) -> None:
+        try:
+            self.query_one("#stats", Static).update(text)
+        except NoMatches:  # the view is being torn down (a late worker message at exit)
+            pass
+
+    def show_model_state(self, ref: str | None, error: str | None = None) -> None:
+        """A model finished loading (or failed to): say so unless a reply is streaming."""
+        if self.generating:
+            return
+        self.set_stats(f"model not loaded: {error}" if error else f"{ref} · ready")
+
+    def _assistant_views(self) -> list[MessageView]:
+        return [v for v in self.messages_view.query(MessageView) if v.role == "assistant"]
+
+    # -- the chat --------------------------------------------------------------------------------
+    def show_chat(self, chat: Chat) -> None:
+        """Open `chat` (a reply still streaming for another chat is cancelled)."""
+        self.cancel_reply()
+        self.chat = chat
+        self.settings = ChatSettings.from_dict(chat.settings)
+        view = self.messages_view
+        view.remove_children()
+        widgets = []
+        for m in self.store.messages(chat.id):
+            if m.role == "system":
+                continue
+            note = CANCELLED_NOTE if m.stats and m.stats.get("finish_reason") == "cancelled" else ""
+            widgets.append(
+                MessageView(m.role, m.content, drafted=m.drafted, show_drafted=self.show_drafted, note=note, message_id=m.id)
+            )
+        if widgets:
+            view.mount_all(widgets)
+        view.anchor()
+        view.scroll_end(animate=False)
+        self.set_stats("")
+
+    def update_chat(self, **changes: Any) -> None:
+        """Save title / model / settings of the open chat."""
+        assert self.chat is not None
+        self.chat = self.store.update_chat(self.chat.id, **changes)
+        if "settings" in changes:
+            self.settings = ChatSettings.from_dict(self.chat.settings)
+        self.post_message(self.ChatChanged(self.chat))
+
+    # -- sending and streaming -------------------------------------------------------------------
+    @on(ChatInput.Submitted)
+    def _submitted(self, event: ChatInput.Submitted) -> None:
+        event.stop()
+        text = event.text.strip()
+        if not text:
+            return
+        if self.generating:
+            self.notify("A reply is being generated: wait, or press Esc to cancel it.", severity="warning")
+            return
+        self.chat_input.clear()
+        self.send(text)
+
+    def send(self, text: str) -> None:
+        assert self.chat is not None
+        msg = self.store.add_message(self.chat.id, "user", text)
+        if self.chat.title == "New chat":
+            self.update_chat(title=" ".join(text.split())[:40] or "Chat")
+        self.messages_view.mount(MessageView("user", text, message_id=msg.id))
+        self._start_reply()
+
+    def _start_reply(self) -> None:
+        assert self.chat is not None
+        try:
+            options = self.settings.to_options()
+        except Exception as e:  # noqa: BLE001 - invalid settings: say so, keep the message
+            self.notify(one_line(e), severity="error", timeout=8)
+            return
+        turns = [(m.role, m.content) for m in self.store.messages(self.chat.id) if m.role in ("user", "assistant")]
+        messages = self.settings.messages(turns)
+        view = MessageView("assistant", show_drafted=self.show_drafted)
+        self.messages_view.mount(view)
+        self.messages_view.anchor()
+        self._gen_counter += 1
+        model = self.model_ref
+        self.active = ActiveReply(gen_id=self._gen_counter, chat_id=self.chat.id, model=model, view=view)
+        self.set_stats(f"{model} · generating…")
+        self.generate(self.active, messages, options)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="generate")
+    def generate(self, active: ActiveReply, messages: list[dict[str, str]], options: GenerateOptions) -> None:
+        gen_id = active.gen_id
+        try:
+            loaded = self.models.ensure_loaded(active.model)
+            gen = loaded.engine.chat(messages, options)
+        except Exception as e:  # noqa: BLE001
+            self.post_message(GenerationFailed(gen_id, one_line(e)))
+            return
+        active.generation = gen
+        if active.cancel.is_set():
+            gen.cancel()
+        done: DoneEvent | None = None
+        try:
+            for ev in gen:
+                if isinstance(ev, TokenEvent):  # buffer it; wake the UI only if it is idle
+                    now = time.perf_counter()
+                    with active.lock:
+                        if active.first_token_at is None:
+                            active.first_token_at = now
+                        active.last_token_at = now
+                        active.n_tokens += 1
+                        if ev.text:
+                            active.pending.append((ev.text, ev.drafted))
+                        wake = not active.wake_posted and bool(active.pending)
+                        if wake:
+                            active.wake_posted = True
+                    if wake:
+                        self.post_message(TokensReady(gen_id))
+                elif isinstance(ev, SpeculationProgress):
+                    self.post_message(SpeculationPreparing(gen_id, ev))
+                elif isinstance(ev, DoneEvent):
+                    done = ev
+        except Exception as e:  # noqa: BLE001 - an engine error mid-reply: keep what came
+            self.post_message(GenerationFailed(gen_id, one_line(e)))
+            return
+        if done is None:
+            self.post_message(GenerationFailed(gen_id, "the generation ended without a result"))
+            return
+        self.post_message(GenerationFinished(gen_id, done, LiveStats.of(done.stats, active.own_rate(), done.finish_reason)))
+
+    def _current(self, gen_id: int) -> ActiveReply | None:
+        active = self.active
+        return active if active is not None and active.gen_id == gen_id else None
+
+    def on_speculation_preparing(self, message: SpeculationPreparing) -> None:
+        active = self._current(message.gen_id)
+        if active is not None and active.length == 0:
+            self.set_stats(preparing_line(active.model, message.progress))
+
+    async def on_tokens_ready(self, message: TokensReady) -> None:
+        active = self._current(message.gen_id)
+        if active is None or active.drain_scheduled:
+            return
+        wait = active.flush_interval() - (time.perf_counter() - active.last_render)
+        if wait > 0:  # rendered very recently: let more tokens gather first
+            active.drain_scheduled = True
+            self.set_timer(wait, self._drain_later)
+        else:
+            await self._drain(active)
+
+    async def _drain_later(self) -> None:
+        active = self.active
+        if active is not None:
+            active.drain_scheduled = False
+            await self._drain(active)
+
+    async def _drain(self, active: ActiveReply) -> None:
+        """Move the buffered tokens into the reply view (UI thread)."""
+        with active.lock:
+            batch, active.pending = active.pending, []
+            active.wake_posted = False
+        if not batch:
+            return
+        text_parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for text, drafted in batch:
+            if drafted:
+                merge_spans(spans, pos, pos + len(text))
+            text_parts.append(text)
+            pos += len(text)
+        text = "".join(text_parts)
+        for a, b in spans:
+            merge_spans(active.drafted, active.length + a, active.length + b)
+        active.length += len(text)
+        active.last_render = time.perf_counter()
+        cpu = time.thread_time()  # the UI thread's CPU since the last drain: what a frame costs
+        if active.ui_cpu_mark is not None:
+            frame = cpu - active.ui_cpu_mark
+            active.frame_cpu = 0.7 * active.frame_cpu + 0.3 * frame if active.frame_cpu else frame
+        active.ui_cpu_mark = cpu
+        if active.view is not None and active.view.is_attached:
+            await active.view.append(text, spans)
+            gen = active.generation
+            self.set_stats(LiveStats.of(gen.stats if gen is not None else None, active.own_rate()).line(active.model))
+
+    def _end(self, active: ActiveReply) -> MessageView | None:
+        """The reply is over: forget it; its view if still on screen."""
+        self.active = None
+        view = active.view
+        return view if view is not None and view.is_attached else None
+
+    async def on_generation_finished(self, message: GenerationFinished) -> None:
+        active = self._current(message.gen_id)
+        if active is None:
+            return
+        await self._drain(active)
+        view = self._end(active)
+        done = message.done
+        self.last_done = done
+        self.last_stats = message.stats
+        cancelled = done.finish_reason == "cancelled"
+        if cancelled and not done.text:  # nothing came: nothing is shown, nothing is kept
+            if view is not None:
+                await view.remove()
+                self.set_stats(message.stats.line(active.model))
+            return
+        stats: dict[str, Any] = done.stats.to_dict()
+        stats["finish_reason"] = done.finish_reason
+        msg = self.store.add_message(active.chat_id, "assistant", done.text, model=active.model, stats=stats, drafted=active.drafted)
+        if view is not None:
+            view.message_id = msg.id
+            view.drafted = list(active.drafted)
+            await view.finish(done.text)
+            if cancelled:
+                view.set_note(CANCELLED_NOTE)
+            self.set_stats(message.stats.line(active.model))
+
+    async def on_generation_failed(self, message: GenerationFailed) -> None:
+        active = self._current(message.gen_id)
+        if active is None:
+            return
+        await self._drain(active)
+        view = self._end(active)
+        if view is not None:
+            if view.content:
+                await view.finish()
+                self.store.add_message(
+                    active.chat_id, "assistant", view.content, model=active.model, stats={"finish_reason": "error"}, drafted=active.drafted
+                )
+                view.set_note(f"(stopped: {message.error})")
+            else:
+                await view.remove()
+        self.notify(message.error, title="Error", severity="error", timeout=10)
+        self.set_stats(f"error: {message.error}")
+
+    def cancel_reply(self) -> bool:
+        """Ask the reply being generated to stop (it keeps what came); False when there is none."""
+        active = self.active
+        if active is None:
+            return False
+        active.cancel.set()
+        if active.generation is not None:
+            active.generation.cancel()
+        return True
+
+    def forget_reply(self, chat_id: int) -> None:
+        """Cancel and forget a reply for `chat_id` (its chat is being deleted): nothing is saved."""
+        if self.active is not None and self.active.chat_id == chat_id:
+            self.cancel_reply()
+            self.active = None
+
+    def on_unmount(self) -> None:
+        self.cancel_reply()
+
+    # -- actions on replies ----------------------------------------------------------------------
+    def action_cancel(self) -> None:
+        if self.cancel_reply():
+            self.set_stats("cancelling…")
+
+    def action_regenerate(self) -> None:
+        if self.generating:
+            self.notify("A reply is being generated.", severity="warning")
+            return
+        assert self.chat is not None
+        msgs = self.store.messages(self.chat.id)
+        if not any(m.role == "user" for m in msgs):
+            self.notify("Nothing to regenerate.", severity="warning")
+            return
+        while msgs and msgs[-1].role == "assistant":  # drop the last reply, keep the question
+            last = msgs.pop()
+            self.store.delete_message(last.id)
+            for v in self.messages_view.query(MessageView):
+                if v.message_id == last.id:
+                    v.remove()
+        self._start_reply()
+
+    def action_copy_reply(self) -> None:
+        views = self._assistant_views()
+        if not views or not views[-1].content:
+            self.notify("No reply to copy.", severity="warning")
+            return
+        self.app.copy_to_clipboard(views[-1].content)
+        self.notify("Copied the last reply.")
+
+    def action_copy_code(self) -> None:
+        views = self._assistant_views()
+        code = last_code_block(views[-1].content) if views else None
+        if code is None:
+            self.notify("The last reply has no code block.", severity="warning")
+            return
+        self.app.copy_to_clipboard(code)
+        self.notify("Copied the last code block.")
+
+    def action_toggle_drafted(self) -> None:
+        self.set_show_drafted(not self.show_drafted)
+        self.notify(f"Drafted tokens {'coloured' if self.show_drafted else 'not coloured'}.")
+
+    def set_show_drafted(self, on: bool) -> None:
+        self.show_drafted = on
+        for v in self.messages_view.query(MessageView):
+            v.set_show_drafted(on)

@@ -1,0 +1,71 @@
+"""Ctrl+O: the store's models with what is known about them; Enter picks one."""
+
+from __future__ import annotations
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Label, Static
+
+from ..backend import Backend, ModelEntry
+from ..model_table import MODEL_COLUMNS, model_rows
+from .base import Dialog
+
+__all__ = ["ModelPickerScreen"]
+
+
+class ModelPickerScreen(Dialog):
+    """Dismisses with the picked model's ref, or None."""
+
+    DEFAULT_CSS = """
+    ModelPickerScreen .dialog { width: 110; }
+    ModelPickerScreen DataTable { height: auto; max-height: 20; }
+    """
+
+    def __init__(self, backend: Backend, current: str | None):
+        super().__init__()
+        self.backend = backend
+        self.current = current
+        self.entries: list[ModelEntry] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Pick a model  (Enter: use it, Esc: close)", classes="title")
+            yield DataTable(cursor_type="row", zebra_stripes=True, id="models")
+            yield Static("", classes="error", id="picker-error")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns(*MODEL_COLUMNS)
+        table.loading = True
+        self.load_models()
+
+    @work(thread=True, exclusive=True, exit_on_error=False)
+    def load_models(self) -> None:
+        try:
+            entries = self.backend.list_models()
+        except Exception as e:  # noqa: BLE001 - shown as one line, never a crash
+            self.app.call_from_thread(self._show_error, str(e) or type(e).__name__)
+            return
+        self.app.call_from_thread(self._fill, entries)
+
+    def _show_error(self, msg: str) -> None:
+        self.query_one(DataTable).loading = False
+        self.query_one("#picker-error", Static).update(msg)
+
+    def _fill(self, entries: list[ModelEntry]) -> None:
+        self.entries = entries
+        table = self.query_one(DataTable)
+        table.loading = False
+        for e, row in zip(entries, model_rows(entries)):
+            table.add_row(*row, key=e.ref)
+        for i, e in enumerate(entries):
+            if e.ref == self.current:
+                table.move_cursor(row=i)
+        if not entries:
+            self.query_one("#picker-error", Static).update("No models in the store.")
+        table.focus()
+
+    @on(DataTable.RowSelected)
+    def _picked(self, event: DataTable.RowSelected) -> None:
+        self.dismiss(str(event.row_key.value))

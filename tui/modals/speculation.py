@@ -1,0 +1,73 @@
+"""Ctrl+T: speculative decoding for this chat, and whether drafted tokens are coloured."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Button, Input, Label, Select, Static, Switch
+
+from ..settings import SPECULATION_CHOICES, SpeculationSettings
+from .base import FormDialog, parse_number
+
+__all__ = ["SpeculationScreen"]
+
+
+class SpeculationScreen(FormDialog):
+    """Dismisses with (SpeculationSettings, colour drafted tokens), or None."""
+
+    AUTO_FOCUS = "#spec-method"
+    BINDINGS = [Binding("ctrl+s", "save", "Apply", priority=True)]
+
+    def __init__(self, settings: SpeculationSettings, show_drafted: bool, models: list[str]):
+        super().__init__()
+        self.settings = settings
+        self.show_drafted = show_drafted
+        self.models = models
+
+    def compose(self) -> ComposeResult:
+        s = self.settings
+        draft_options = [(m, m) for m in self.models]
+        if s.draft_model and s.draft_model not in self.models:
+            draft_options.insert(0, (s.draft_model, s.draft_model))
+        with Vertical(classes="dialog"):
+            yield Label("Speculative decoding  (Ctrl+S: apply, Esc: cancel)", classes="title")
+            with Horizontal(classes="field"):
+                yield Label("Method")
+                yield Select([(label, m) for m, label in SPECULATION_CHOICES], value=s.method, allow_blank=False, id="spec-method")
+            with Horizontal(classes="field"):
+                yield Label("Draft model")
+                yield Select(draft_options, value=s.draft_model if s.draft_model else Select.NULL, id="spec-draft")
+            with Horizontal(classes="field"):
+                yield Label("Self-draft quant")
+                yield Input(s.self_quant, id="spec-self")
+            with Horizontal(classes="field"):
+                yield Label("Draft length (max)")
+                yield Input(str(s.draft_max), id="spec-k")
+            with Horizontal(classes="field"):
+                yield Label("Colour drafted")
+                yield Switch(self.show_drafted, id="spec-show")
+            yield Static(
+                "Output is identical with and without speculation; only speed changes. "
+                "Auto switches it off where it does not pay.",
+                classes="hint",
+            )
+            yield Static("", classes="error", id="spec-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Cancel", id="cancel")
+                yield Button("Apply", variant="primary", id="save")
+
+    def action_save(self) -> None:
+        try:
+            draft = self.query_one("#spec-draft", Select).value
+            new = SpeculationSettings(
+                method=str(self.query_one("#spec-method", Select).value),
+                draft_model=None if draft is Select.NULL else str(draft),
+                self_quant=self.query_one("#spec-self", Input).value.strip().upper() or SpeculationSettings.self_quant,
+                draft_max=parse_number(self.query_one("#spec-k", Input).value, int, "Draft length"),
+            )
+            new.to_options().validate()
+        except Exception as e:  # noqa: BLE001
+            self.query_one("#spec-error", Static).update(str(e))
+            return
+        self.dismiss((new, self.query_one("#spec-show", Switch).value))
