@@ -34,8 +34,13 @@ WORKLOADS = Path(__file__).resolve().parent / "workloads"
 TOOLS = Path(os.environ.get("EDGEINFER_LLAMA_TOOLS", Path.home() / ".cache" / "edgeinfer-llama-tools"))
 
 
-def prompts(kind: str, n: int) -> list[str]:
-    """n different prompts (different requests share no prompt cache beyond the template)."""
+def prompts(kind: str, n: int, tag: str = "") -> list[str]:
+    """n different prompts. `tag` starts each one, so that no request finds its prompt in a
+    slot's (or llama-server's) cache from an earlier round: TTFT includes the prefill."""
+    return [f"[{tag}{i}] {p}" for i, p in enumerate(_prompts(kind, n))]
+
+
+def _prompts(kind: str, n: int) -> list[str]:
     if kind == "code":
         code = (WORKLOADS / "code_edit.py").read_text()
         names = ["compute_total", "needs_reorder", "reorder_list", "apply_discount"]
@@ -87,6 +92,7 @@ def one_request(url: str, prompt: str, tokens: int, extra: dict, out: dict) -> N
     first = last = None
     n_chunks = 0
     usage = None
+    spec = {}
     with httpx.Client(timeout=600) as http, http.stream("POST", url + "/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -95,6 +101,8 @@ def one_request(url: str, prompt: str, tokens: int, extra: dict, out: dict) -> N
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            if chunk.get("edgeinfer"):
+                spec = chunk["edgeinfer"].get("speculation") or {}
             for c in chunk.get("choices") or []:
                 if c.get("delta", {}).get("content"):
                     now = time.perf_counter()
@@ -102,7 +110,7 @@ def one_request(url: str, prompt: str, tokens: int, extra: dict, out: dict) -> N
                     last = now
                     n_chunks += 1
     n = usage["completion_tokens"] if usage else n_chunks
-    out.update(tokens=n, ttft=(first or t0) - t0, decode=(n - 1) / (last - first) if first and last and last > first else 0.0,
+    out.update(drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0), tokens=n, ttft=(first or t0) - t0, decode=(n - 1) / (last - first) if first and last and last > first else 0.0,
                end=time.perf_counter())
 
 
@@ -124,7 +132,15 @@ def round_of(url: str, texts: list[str], tokens: int, extra: dict) -> dict:
     return {"throughput": sum(r["tokens"] for r in results) / wall,
             "decode": statistics.median(r["decode"] for r in results),
             "ttft": statistics.median(r["ttft"] for r in results),
-            "tokens": sum(r["tokens"] for r in results)}
+            "tokens": sum(r["tokens"] for r in results),
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
+
+
+def _drafting(rows: list[dict]) -> str:
+    drafted = sum(s["drafted"] for s in rows)
+    if not drafted:
+        return "- | -"
+    return f"{drafted / sum(s['tokens'] for s in rows):.2f} | {sum(s['accepted'] for s in rows) / drafted:.0%}"
 
 
 def main() -> int:
@@ -179,15 +195,15 @@ def main() -> int:
         loads: list[float] = []
         for c in levels:  # warm-up: first requests pay for page faults and the cost calibration
             for url, extra in servers.values():
-                round_of(url, prompts(args.workload, c), 8, extra)
+                round_of(url, prompts(args.workload, c, "warm-up "), 8, extra)
         for rnd in range(args.rounds):
             for c in levels:
-                texts = prompts(args.workload, c)
                 names = list(servers)
                 if rnd % 2:
                     names.reverse()  # alternate the order within the round
                 for name in names:
                     url, extra = servers[name]
+                    texts = prompts(args.workload, c, f"round {rnd} {name} ")
                     loads.append(os.getloadavg()[0])
                     samples.setdefault((name, c), []).append(round_of(url, texts, args.tokens, extra))
                     print(f"round {rnd + 1} c={c} {name}: {samples[(name, c)][-1]}", file=sys.stderr)
@@ -199,15 +215,16 @@ def main() -> int:
     print(f"\nmodel {Path(model).name}, {args.workload} workload, greedy, {args.tokens} tokens per request, "
           f"{args.parallel} slots, {args.threads} threads, median of {args.rounds} rounds; "
           f"load average during the run {min(loads):.1f}-{max(loads):.1f}\n")
-    print("| server | clients | total tok/s | per-request decode tok/s | TTFT s | vs edgeinfer off |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| server | clients | total tok/s | per-request decode tok/s | TTFT s | vs edgeinfer off "
+          "| drafted per token | accepted |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in levels:
         base = statistics.median(s["throughput"] for s in samples[("edgeinfer off", c)])
         for name in servers:
             rows = samples[(name, c)]
             thr = statistics.median(s["throughput"] for s in rows)
             print(f"| {name} | {c} | {thr:.1f} | {statistics.median(s['decode'] for s in rows):.1f} | "
-                  f"{statistics.median(s['ttft'] for s in rows):.3f} | {thr / base:.2f}× |")
+                  f"{statistics.median(s['ttft'] for s in rows):.3f} | {thr / base:.2f}× | {_drafting(rows)} |")
     return 0
 
 
