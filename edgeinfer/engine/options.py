@@ -181,6 +181,7 @@ class SpeculationOptions:
     @classmethod
     def parse(cls, spec: str, **overrides: object) -> SpeculationOptions:
         """Parse the CLI form: off | lookup | auto | draft=MODEL | self=Q3_K_M."""
+        _instance("", "speculation", spec, str, "a string like 'lookup' or 'self=Q4_K_M'")
         spec = spec.strip()
         method, _, arg = spec.partition("=")
         kw: dict[str, object] = {"method": method}

@@ -234,8 +234,8 @@ def test_closing_a_generation_that_never_ran(engine):
 
 
 def test_many_abandoned_generations_leave_nothing_held(engine):
-    for i in range(20):
-        gen = engine.generate(f"Item {i}:", greedy(8))
+    for i in range(8):
+        gen = engine.generate(f"Item {i}:", greedy(4))
         if i % 2:
             next(gen)
     del gen  # the last one was still referenced: a kept generation holds the engine, by design
@@ -297,6 +297,9 @@ def test_wrong_prompt_and_message_types(engine):
         engine.prepare_speculation(42)  # type: ignore[arg-type]
     with pytest.raises(InvalidOptionError):
         GenerateOptions().with_sampling(temprature=0.5)
+    for spec in (5, None, "lookup=3", "warp"):
+        with pytest.raises(InvalidOptionError):
+            SpeculationOptions.parse(spec)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
