@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import AuthenticationError, EdgeInferError, HubError, ModelNotFoundError, OfflineError
+from ..fsutil import is_inside
 from .spec import COMMIT_RE, ETAG_RE, check_repo_path, check_revision
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
     "endpoint",
     "is_offline",
     "storage_dir",
-    "is_inside",
     "hub_errors",
     "snapshot",
     "paths_for",
@@ -95,13 +95,6 @@ def storage_dir(repo: str) -> Path:
     from huggingface_hub.file_download import repo_folder_name
 
     return cache_dir() / repo_folder_name(repo_id=repo, repo_type="model")
-
-
-def is_inside(path: Path, root: Path) -> bool:
-    """True when `path` (symlinks resolved, as far as it exists) stays inside `root`."""
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    return real == real_root or real.startswith(real_root + os.sep)
 
 
 # -- the Hub's answers -----------------------------------------------------------------------------

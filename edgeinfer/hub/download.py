@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ..cancel import CancelToken, is_cancelled
 from ..errors import Cancelled, IntegrityError, OfflineError
-from .cache import HubFile, Snapshot, cache_dir, endpoint, hub_errors, is_inside, link, paths_for, write_ref
+from ..fsutil import is_inside
+from .cache import HubFile, Snapshot, cache_dir, endpoint, hub_errors, link, paths_for, write_ref
 
 __all__ = [
     "PARTIAL_SUFFIX",

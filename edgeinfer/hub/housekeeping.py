@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HubError, InvalidOptionError
+from ..fsutil import is_inside
 from ..store import ModelManifest, Store
-from .cache import cache_dir, is_inside, storage_dir
+from .cache import cache_dir, storage_dir
 from .spec import COMMIT_RE, ETAG_RE, check_repo_id, check_repo_path
 
 __all__ = ["DiskUsage", "DiskUsageRow", "disk_usage", "purge_cache", "source_label"]
