@@ -5,20 +5,26 @@
 
 The output is written under a temporary name inside the store, validated with `read_gguf`, renamed,
 then registered with `derived_from` = the source. The C call cannot be interrupted, so it runs in a
-worker thread; Ctrl-C in the calling thread waits for it to return, deletes the partial file and
-re-raises, so an interrupted or failed run leaves neither a store entry nor a stray file.
+child process (`quantize_child.py`): a cancel, a Ctrl-C or a failing progress callback kills it at
+once and the partial file is deleted, so an interrupted or failed run leaves neither a store entry
+nor a stray file (and a run killed from outside leaves a partial file that `gc` removes).
 
-There is no progress callback in llama.cpp; it logs one line per tensor, which is captured
-(`llama_backend.log_capture`) while the call runs.
+There is no progress callback in llama.cpp; it logs one line per tensor, which the child writes to
+its stdout and the parent parses into QuantizeProgress events (and the `edgeinfer.llama_cpp` logger).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -27,10 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from .cancel import CancelToken, raise_if_cancelled
 from .errors import InvalidOptionError, QuantizationError, StoreError
 from .fsutil import atomic_path, ensure_free_space, no_space_error
 from .gguf_file import GGUFInfo, read_gguf
-from .llama_backend import THREADS_PER_CORE, backend, log_capture, max_threads
+from .llama_backend import LOGGER_NAME, THREADS_PER_CORE, backend, max_threads
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
 
 if TYPE_CHECKING:
@@ -209,11 +218,13 @@ def _source_name(path: Path, manifest: ModelManifest | None) -> str:
     return normalize_name(_QUANT_SUFFIX.sub("", path.stem))
 
 
+_llama_log = logging.getLogger(LOGGER_NAME)
+
+
 class _LogCapture:
     """Parse llama.cpp's per-tensor log lines into QuantizeProgress events while a block runs."""
 
-    def __init__(self, llama_cpp: Any, on_progress: Callable[[QuantizeProgress], None] | None):
-        self.ll = llama_cpp
+    def __init__(self, on_progress: Callable[[QuantizeProgress], None] | None):
         self.on_progress = on_progress
         self.lines: list[str] = []
         self._buf = ""
@@ -239,6 +250,7 @@ class _LogCapture:
     def _line(self, line: str) -> None:
         if not line.strip():
             return
+        _llama_log.debug(line)
         self.lines.append(line)
         del self.lines[:-200]
         m = _TENSOR_RE.search(line)
@@ -252,11 +264,6 @@ class _LogCapture:
             self._current = None
             if self.on_progress is not None:
                 self.on_progress(QuantizeProgress(i, n, name, self.converted.get(name, old)))
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        with log_capture(self.feed):  # llama_backend owns the process-wide llama.cpp logger
-            yield
 
     def error_message(self) -> str:
         for line in reversed(self.lines):
@@ -288,34 +295,43 @@ def _check_threads(n_threads: int | None) -> int:
     return n_threads
 
 
-def _run_uninterruptible(fn: Callable[[], int]) -> int:
-    """Run a C call that cannot be interrupted in a worker thread; a Ctrl-C meanwhile waits for it.
+def _run_child(request: dict[str, Any], capture: _LogCapture, cancel: CancelToken) -> int:
+    """Run llama_model_quantize in a child process (quantize_child.py), feeding its log to `capture`.
 
-    The KeyboardInterrupt is re-raised once the call has returned, so the caller's cleanup
-    (temp file deletion) runs after llama.cpp has closed the file.
+    A cancel, a Ctrl-C or a progress callback that raised kills the child at once (the caller's
+    atomic_path then deletes the partial output); otherwise returns the C call's return code.
     """
-    result: list[int] = []
-    error: list[BaseException] = []
+    script = Path(__file__).with_name("quantize_child.py")
+    proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    reader = threading.Thread(target=_pump, args=(proc, capture), name="edgeinfer-quantize-log", daemon=True)
+    reader.start()
+    try:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(json.dumps(request).encode())
+            proc.stdin.close()
+        while True:
+            try:
+                rc = proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                if capture.callback_error is not None:
+                    raise capture.callback_error from None
+                raise_if_cancelled(cancel, "quantization cancelled")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join()
+    return rc
 
-    def work() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:  # pragma: no cover - ctypes errors
-            error.append(e)
 
-    t = threading.Thread(target=work, name="edgeinfer-quantize", daemon=True)
-    t.start()
-    interrupted = False
-    while t.is_alive():
-        try:
-            t.join(0.2)
-        except KeyboardInterrupt:
-            interrupted = True  # keep waiting: the file is still open in C
-    if interrupted:
-        raise KeyboardInterrupt
-    if error:
-        raise error[0]
-    return result[0]
+def _pump(proc: subprocess.Popen[bytes], capture: _LogCapture) -> None:
+    assert proc.stdout is not None
+    with proc.stdout:
+        while chunk := proc.stdout.read1(65536):
+            capture.feed(0, chunk.decode("utf-8", errors="replace"))
 
 
 def quantize_model(
@@ -334,11 +350,14 @@ def quantize_model(
     overwrite: bool = False,
     on_progress: Callable[[QuantizeProgress], None] | None = None,
     n_threads: int | None = None,
+    cancel: CancelToken = None,
 ) -> QuantizeResult:
     """Quantize `source` (store ref or GGUF path) to `qtype` (or the profile's weights type).
 
     Explicit `output_type` / `embedding_type` / `overrides` add to (and win over) the profile's.
     A source that already holds quantized weights needs `allow_requantize=True` (warned about).
+    `cancel` (a threading.Event or a callable, see edgeinfer.cancel) stops the quantizer at once
+    with `Cancelled`, as Ctrl-C does; nothing is left behind either way.
     """
     from .store import DEFAULT_MODEL, Store
 
@@ -413,53 +432,28 @@ def quantize_model(
     ensure_free_space(target.parent, int(src_info.parameter_count * bytes_per_weight) + (64 << 20),
                       f"the {qtype} copy of {src_ref}")
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = nthread
-    params.ftype = QUANT_TYPES[qtype][0]
-    params.allow_requantize = bool(allow_requantize or (quantized_src and dequantize))
-    params.quantize_output_tensor = True
-    params.pure = False
-    if out_t:
-        params.output_tensor_type = _ggml_type_id(out_t)
-    if emb_t:
-        params.token_embedding_type = _ggml_type_id(emb_t)
-    keepalive: list[Any] = []
-    if ovr:
-        arr = (llama_cpp.llama_model_tensor_override * (len(ovr) + 1))()
-        for i, (pattern, t) in enumerate(ovr):
-            b = ctypes.c_char_p(pattern.encode())
-            keepalive.append(b)
-            arr[i].pattern = b.value
-            arr[i].type = _ggml_type_id(t)
-        arr[len(ovr)].pattern = None
-        keepalive.append(arr)
-        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
-    if imat is not None:
-        arr = (llama_cpp.llama_model_imatrix_data * (len(imat.entries) + 1))()
-        for i, (tname, values) in enumerate(imat.entries.items()):
-            nb = tname.encode()
-            keepalive += [nb, values]
-            arr[i].name = nb
-            arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            arr[i].size = values.size
-        arr[len(imat.entries)].name = None
-        keepalive.append(arr)
-        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    request: dict[str, Any] = {
+        "source": str(src_path), "nthread": nthread, "ftype": QUANT_TYPES[qtype][0],
+        "allow_requantize": bool(allow_requantize or (quantized_src and dequantize)),
+        "output_tensor_type": _ggml_type_id(out_t) if out_t else None,
+        "token_embedding_type": _ggml_type_id(emb_t) if emb_t else None,
+        "overrides": [[pattern, _ggml_type_id(t)] for pattern, t in ovr],
+    }
 
     # The whole produce-and-register holds the name's writer lock: a second writer of the same
     # name (another process or thread) fails at once instead of both "succeeding".
     with store.writing(out_name, out_tag):
         if store.find(f"{out_name}:{out_tag}") is not None and not overwrite:
             raise StoreError(f"{out_name}:{out_tag} is already in the store (remove it first, or choose another --name)")
-        capture = _LogCapture(llama_cpp, on_progress)
+        capture = _LogCapture(on_progress)
         started = time.monotonic()
         # One quantization at a time per process: the log sink is process-wide, and llama.cpp already
         # uses every core for one.
-        with _QUANTIZE_LOCK, atomic_path(target) as tmp:
-            with capture.installed():
-                rc = _run_uninterruptible(
-                    lambda: llama_cpp.llama_model_quantize(str(src_path).encode(), str(tmp).encode(), ctypes.byref(params))
-                )
+        with _QUANTIZE_LOCK, atomic_path(target) as tmp, tempfile.TemporaryDirectory(prefix="edgeinfer-q-") as scratch:
+            if imat is not None:  # the child reads the importance matrix from a plain .npz
+                request["imatrix"] = str(Path(scratch) / "imatrix.npz")
+                np.savez(request["imatrix"], **imat.entries)
+            rc = _run_child({**request, "output": str(tmp)}, capture, cancel)
             if capture.callback_error is not None:  # a front end's progress callback raised: give up cleanly
                 raise capture.callback_error
             if rc != 0:
@@ -468,8 +462,6 @@ def quantize_model(
                 raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
             read_gguf(tmp)  # validate before the file takes its final name
             seconds = time.monotonic() - started
-        del keepalive
-
         info = read_gguf(target)
         try:
             manifest = store.register(

@@ -207,6 +207,31 @@ def test_interrupted_quantization_leaves_nothing(synthetic_f16: Path, edgeinfer_
     assert events and events[-1].tensor_index == events[-1].n_tensors
 
 
+def test_cancel_stops_the_quantizer_mid_file(synthetic_f16: Path, edgeinfer_home: Path):
+    """A cancel between tensors ends the C call at once (its child process is killed): the
+    tensors after it are never quantized and nothing is left behind."""
+    import threading
+
+    from edgeinfer import Cancelled, Store, read_gguf
+    from edgeinfer.quantize import quantize_model
+
+    stop = threading.Event()
+    seen = []
+
+    def on_progress(ev):
+        seen.append(ev.tensor_index)
+        if ev.tensor_index == 2:
+            stop.set()
+
+    with pytest.raises(Cancelled):
+        quantize_model(synthetic_f16, "Q6_K", on_progress=on_progress, n_threads=1, cancel=stop)
+    n_tensors = len(read_gguf(synthetic_f16).tensors)
+    print(f"cancelled after tensor {max(seen)} of {n_tensors}")
+    assert 2 <= max(seen) < n_tensors  # the tensors after the cancel were never quantized
+    assert Store().find("synthetic-llama:q6_k") is None
+    assert _leftovers(edgeinfer_home) == []
+
+
 def test_failed_quantization_leaves_nothing(synthetic_f16: Path, edgeinfer_home: Path, tmp_path: Path):
     from edgeinfer import QuantizationError, Store
     from edgeinfer.imatrix import write_imatrix

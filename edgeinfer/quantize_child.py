@@ -1,0 +1,97 @@
+"""The child side of `edgeinfer.quantize`, run as a script: `python -I quantize_child.py < REQUEST.json`.
+
+`llama_model_quantize` is one C call that nothing can interrupt: run in the caller's process, a
+cancel or Ctrl-C could only wait for it to finish (minutes for a large model). In a child it ends
+the moment the parent kills it, and an abort inside llama.cpp kills the child, not the caller.
+
+The request (JSON on stdin) names the source and the output file and holds the quantize
+parameters as llama.cpp's numbers; llama.cpp's log (one line per tensor) goes to stdout, from which
+the parent reads progress. Exit status: llama_model_quantize's return code (0: done).
+
+It imports only the standard library, numpy and llama_cpp (not the edgeinfer package), like
+`load_probe.py`, so it starts fast and `-I` keeps the script's folder off sys.path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+from typing import Any
+
+__all__ = ["quantize", "main"]
+
+# fields of llama_model_quantize_params this script sets; checked against the struct, because
+# ctypes silently accepts an assignment to a field the struct does not declare
+_FIELDS = ("nthread", "ftype", "allow_requantize", "quantize_output_tensor", "pure",
+           "output_tensor_type", "token_embedding_type", "tt_overrides", "imatrix")
+
+
+def quantize(request: dict[str, Any]) -> int:
+    import llama_cpp as ll
+    import numpy as np
+
+    ll.llama_backend_init()
+
+    @ll.llama_log_callback
+    def on_log(_level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        sys.stdout.write(text.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+
+    ll.llama_log_set(on_log, ctypes.c_void_p(0))
+    declared = {name for name, *_ in ll.llama_model_quantize_params._fields_}
+    missing = [f for f in _FIELDS if f not in declared]
+    if missing:
+        raise RuntimeError(f"llama_model_quantize_params has no field {', '.join(missing)}")
+
+    params = ll.llama_model_quantize_default_params()
+    params.nthread = int(request["nthread"])
+    params.ftype = int(request["ftype"])
+    params.allow_requantize = bool(request["allow_requantize"])
+    params.quantize_output_tensor = True
+    params.pure = False
+    if request.get("output_tensor_type") is not None:
+        params.output_tensor_type = int(request["output_tensor_type"])
+    if request.get("token_embedding_type") is not None:
+        params.token_embedding_type = int(request["token_embedding_type"])
+    keepalive: list[Any] = []
+    overrides = request.get("overrides") or []
+    if overrides:
+        arr = (ll.llama_model_tensor_override * (len(overrides) + 1))()
+        for i, (pattern, type_id) in enumerate(overrides):
+            b = ctypes.c_char_p(pattern.encode())
+            keepalive.append(b)
+            arr[i].pattern = b.value
+            arr[i].type = int(type_id)
+        arr[len(overrides)].pattern = None
+        keepalive.append(arr)
+        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(ll.llama_model_tensor_override))
+    if request.get("imatrix"):
+        with np.load(request["imatrix"]) as entries:
+            names = list(entries.files)
+            arr = (ll.llama_model_imatrix_data * (len(names) + 1))()
+            for i, name in enumerate(names):
+                values = np.ascontiguousarray(entries[name], dtype=np.float32)
+                nb = name.encode()
+                keepalive += [nb, values]
+                arr[i].name = nb
+                arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                arr[i].size = values.size
+        arr[len(names)].name = None
+        keepalive.append(arr)
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(ll.llama_model_imatrix_data))
+    rc = int(ll.llama_model_quantize(request["source"].encode(), request["output"].encode(), ctypes.byref(params)))
+    del keepalive
+    return rc
+
+
+def main() -> int:
+    try:
+        return quantize(json.load(sys.stdin))
+    except Exception as e:  # noqa: BLE001 - any failure reaches the parent as one line
+        print(f"\nedgeinfer-quantize: error: {type(e).__name__}: {e}", flush=True)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
