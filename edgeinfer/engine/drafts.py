@@ -95,24 +95,24 @@ class DraftModels:
                 label = key[1]
             raise_if_cancelled(cancel, "preparing speculation")
             report(SpeculationProgress("load", f"loading draft model {label}"))
-            rt = self._open(Path(path), label)
+            rt = self._open(Path(path))
+            # Under the lock: close() (which the engine calls before freeing the target) cannot
+            # free the target while the check reads its vocabulary.
             with self._lock:
-                if self._closed:  # the engine closed meanwhile
+                try:
+                    if self._closed:  # the engine closed meanwhile
+                        raise EngineClosedError("this engine is closed")
+                    check_draft_compatible(self._target_rt, rt, label)
+                except BaseException:
                     rt.close()
-                    raise EngineClosedError("this engine is closed")
+                    raise
                 self._runtimes[key] = rt
             report(SpeculationProgress("ready", f"draft model {label} ready"))
 
-    def _open(self, path: Path, label: str) -> LlamaRuntime:
+    def _open(self, path: Path) -> LlamaRuntime:
         admit(path, self.target.store)  # validated, and loaded once in a child, like any model
         o = self.target.options
-        rt = LlamaRuntime(path, LoadOptions(n_ctx=self._target_rt.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch))
-        try:
-            check_draft_compatible(self._target_rt, rt, label)
-        except BaseException:
-            rt.close()
-            raise
-        return rt
+        return LlamaRuntime(path, LoadOptions(n_ctx=self._target_rt.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch))
 
     def _self_draft(self, quant: str, report: ProgressCallback, cancel: CancelToken) -> Path:
         """A quantized copy of the target: from the store, or made by the quantizer on first use."""

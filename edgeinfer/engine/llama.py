@@ -226,6 +226,7 @@ class LlamaRuntime:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of a token (unchecked: for ids the model itself produced; see check_token)."""
+        self._check_open()
         n = self._ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)
@@ -241,22 +242,27 @@ class LlamaRuntime:
         return raw.decode("utf-8", errors="replace") if raw else ""
 
     def is_eog(self, token: int) -> bool:
+        self._check_open()
         return bool(self._ll.llama_vocab_is_eog(self.vocab, token))
 
     @property
     def add_bos(self) -> bool:
+        self._check_open()
         return bool(self._ll.llama_vocab_get_add_bos(self.vocab))
 
     @property
     def bos(self) -> int:
+        self._check_open()
         return int(self._ll.llama_vocab_bos(self.vocab))
 
     @property
     def eos(self) -> int:
+        self._check_open()
         return int(self._ll.llama_vocab_eos(self.vocab))
 
     @property
     def vocab_type(self) -> int:
+        self._check_open()
         return int(self._ll.llama_vocab_type(self.vocab))
 
     # -- KV cache --------------------------------------------------------------------------------

@@ -145,6 +145,22 @@ def test_a_request_waiting_for_the_engine_gets_engine_closed(default_model_path)
     assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], EngineClosedError)
 
 
+@pytest.mark.slow  # loads its own engine (it closes it)
+def test_close_during_speculation_preparation(default_model_path):
+    """The engine closed while its draft model is being prepared (here: from the progress
+    callback, just before the draft loads): the preparation ends with EngineClosedError, without
+    touching the freed target (the vocabulary check runs under the draft models' lock)."""
+    e = edgeinfer.load(default_model_path, n_ctx=128)
+
+    def close_on_load(event) -> None:
+        if event.stage == "load":
+            e.close()
+
+    with pytest.raises(EngineClosedError):
+        e.prepare_speculation(f"draft={default_model_path}", progress=close_on_load)
+    assert e.closed
+
+
 # -- token ids ----------------------------------------------------------------------------------------
 
 
