@@ -674,7 +674,7 @@ class BatchEngine:
 
     def _admit(self) -> None:
         """Move queued requests into free slots (the free slot sharing the longest prefix)."""
-        dropped = []
+        dropped, failed = [], []
         with self._cond:
             for ch in [ch for ch in self._queue if ch.cancelled]:
                 self._queue.remove(ch)
@@ -685,10 +685,20 @@ class BatchEngine:
             while self._queue and free:
                 ch = self._queue.popleft()
                 slot = max(free, key=lambda s: (_common_prefix(s.cached, ch.prompt), -s.last_used))
-                free.remove(slot)
-                self._active.append(self._start(ch, slot))
-        for ch in dropped:  # outside the engine's lock: a reader may hold the channel's
+                try:
+                    self._active.append(self._start(ch, slot))
+                    free.remove(slot)
+                except Exception as e:  # this request fails, not the ones queued behind it
+                    log.exception("could not start a request")
+                    slot.cached.clear()
+                    self._runtime.seq_rm(slot.index, 0)
+                    self._finished["error"] += 1
+                    failed.append((ch, e if isinstance(e, EdgeInferError) else EdgeInferError(f"could not start: {e}")))
+        # Outside the engine's lock: a reader may hold its channel's.
+        for ch in dropped:
             ch.push([DoneEvent("", [], "cancelled", ch.stats)])
+        for ch, error in failed:
+            ch.push([], error)
 
     def _start(self, ch: _Channel, slot: _Slot) -> _Request:
         prompt = ch.prompt
