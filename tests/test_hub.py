@@ -41,18 +41,23 @@ def hub(tmp_path, monkeypatch):
     server.stop()
 
 
-@pytest.fixture
-def gguf_repo(hub, tmp_path):
-    d = tmp_path / "repo-src"
-    d.mkdir()
+@pytest.fixture(scope="session")
+def repo_files(tmp_path_factory) -> dict[str, bytes | str | Path]:
+    """The files of the test repo, written once per session: the server and the tests only read them."""
+    d = tmp_path_factory.mktemp("repo-src")
     files: dict[str, bytes | str | Path] = {"README.md": "# tiny\n", "mmproj-Tiny-F16.gguf": tiny_gguf(d / "mm.gguf", "F16")}
     for i, q in enumerate(["Q2_K", "Q4_K_M", "Q8_0"]):
         files[f"Tiny-{q}.gguf"] = tiny_gguf(d / f"{q}.gguf", q, rows=8 * (i + 1), seed=i)
     files["Tiny-Q6_K-00001-of-00002.gguf"] = tiny_gguf(d / "s1.gguf", "Q6_K", seed=10)
     files["Tiny-Q6_K-00002-of-00002.gguf"] = tiny_gguf(d / "s2.gguf", "Q6_K", seed=11)
     files["Big-F16.gguf"] = tiny_gguf(d / "big.gguf", "F16", rows=8192)  # 8 MiB, for resume tests
-    hub.add_repo(REPO, files)
     return files
+
+
+@pytest.fixture
+def gguf_repo(hub, repo_files):
+    hub.add_repo(REPO, repo_files)
+    return dict(repo_files)
 
 
 def _cache(tmp_path: Path) -> Path:
@@ -460,6 +465,7 @@ def test_purge_leaves_what_no_manifest_names_and_a_cache_huggingface_hub_reads(h
     assert [f.file_name for repo in info.repos for r in repo.revisions for f in r.files] == ["README.md"]
 
 
+@pytest.mark.slow  # a fresh interpreter imports the package
 def test_the_hub_imports_neither_the_converter_nor_the_quantizer():
     """edgeinfer.hub is below them: only edgeinfer.pull converts and quantizes (test_layering checks
     every import statement; this checks what importing the package really loads)."""

@@ -73,6 +73,7 @@ def test_errors_are_one_line(hub, capsys, spec, setup, needle):
     assert err.startswith("edgeinfer: error:") and needle in err and "\n" not in err
 
 
+@pytest.mark.slow  # a real process, stopped mid-file and run again
 def test_ctrl_c_in_a_real_process_then_resume(hub, tmp_path):
     """HF_ENDPOINT/HF_HOME come from the environment of a fresh process; SIGINT stops it mid-file."""
     hub.slow[(REPO, "Tiny-F16.gguf")] = 0.02
