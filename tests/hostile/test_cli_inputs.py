@@ -219,6 +219,7 @@ def test_full_disk_writing_a_manifest(small_fs, monkeypatch, capsys):
     assert [p.name for p in (small_fs / "home" / "manifests" / "smollm2-135m-instruct").iterdir()] == ["q4_1.json"]
 
 
+@pytest.mark.slow  # makes and converts a model
 def test_full_disk_during_convert(small_fs, tmp_path):
     from edgeinfer.convert import convert_model
     from hf_models import make_random_hf_model
