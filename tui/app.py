@@ -11,10 +11,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from textual import work
+from textual.worker import get_current_worker
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.message import Message as TMessage
 from textual.screen import Screen
+
+from edgeinfer import SpeculationOptions, SpeculationProgress
 
 from .backend import Backend, LibraryBackend
 from .chat_screen import ChatScreen
@@ -30,9 +33,19 @@ _HELP = next(a for a in ACTIONS if a.id == "help")
 
 
 class ModelReady(TMessage):
-    def __init__(self, ref: str | None, error: str | None = None):
+    """The model loaded (error: it did not); speculation_error: its speculation could not be prepared."""
+
+    def __init__(self, ref: str | None, error: str | None = None, speculation_error: str | None = None):
         super().__init__()
-        self.ref, self.error = ref, error
+        self.ref, self.error, self.speculation_error = ref, error, speculation_error
+
+
+class ModelPreparing(TMessage):
+    """The loaded model is preparing the chat's speculation (e.g. quantizing a self-draft copy)."""
+
+    def __init__(self, ref: str, progress: SpeculationProgress):
+        super().__init__()
+        self.ref, self.progress = ref, progress
 
 
 class EdgeInferApp(App[None]):
@@ -88,20 +101,40 @@ class EdgeInferApp(App[None]):
 
     # -- models ----------------------------------------------------------------------------------
     def on_chat_screen_model_wanted(self, message: ChatScreen.ModelWanted) -> None:
-        self.preload_model(message.ref)
+        self.preload_model(message.ref, message.speculation)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="load")
-    def preload_model(self, ref: str) -> None:
+    def preload_model(self, ref: str, speculation: SpeculationOptions | None = None) -> None:
+        """Load `ref` and prepare `speculation` on it (a self-draft is made on first use), so the
+        first reply does not wait for either; a newer request cancels the preparation."""
         try:
             loaded = self.models.ensure_loaded(ref)
         except Exception as e:  # noqa: BLE001
             self.post_message(ModelReady(None, one_line(e)))
             return
-        self.post_message(ModelReady(loaded.ref))
+        worker = get_current_worker()
+        speculation_error = None
+        if speculation is not None and speculation.method != "off":
+            try:
+                loaded.engine.prepare_speculation(
+                    speculation,
+                    progress=lambda ev: self.post_message(ModelPreparing(loaded.ref, ev)),
+                    cancel=lambda: worker.is_cancelled,
+                )
+            except Exception as e:  # noqa: BLE001 - the model works without it; the reply says more
+                if worker.is_cancelled:
+                    return
+                speculation_error = one_line(e)
+        self.post_message(ModelReady(loaded.ref, speculation_error=speculation_error))
+
+    def on_model_preparing(self, message: ModelPreparing) -> None:
+        self.chat_view.show_preparing(message.ref, message.progress)
 
     def on_model_ready(self, message: ModelReady) -> None:
         if message.error:
             self.notify(message.error, title="Model", severity="error", timeout=10)
+        if message.speculation_error:
+            self.notify(message.speculation_error, title="Speculation", severity="warning", timeout=10)
         self.chat_view.show_model_state(message.ref, message.error)
 
     # -- screens ---------------------------------------------------------------------------------

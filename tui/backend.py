@@ -149,6 +149,14 @@ class GenerationLike(Protocol):
 class EngineLike(Protocol):
     def chat(self, messages: list[dict[str, str]], options: edgeinfer.GenerateOptions | None = None) -> GenerationLike: ...
 
+    def prepare_speculation(
+        self,
+        speculation: edgeinfer.SpeculationOptions,
+        *,
+        progress: Callable[[edgeinfer.SpeculationProgress], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None: ...
+
     def close(self) -> None: ...
 
 

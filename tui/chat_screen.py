@@ -17,6 +17,8 @@ from textual.message import Message as TMessage
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label
 
+from edgeinfer import EdgeInferError, SpeculationOptions
+
 from .backend import Backend
 from .chat_store import ChatStore, export_markdown
 from .chat_view import ChatView, one_line
@@ -45,11 +47,12 @@ class ChatScreen(Screen):
     ]
 
     class ModelWanted(TMessage):
-        """The open chat's model should be loaded (the app loads it in the background)."""
+        """The open chat's model should be loaded and its speculation prepared (the app does it
+        in the background)."""
 
-        def __init__(self, ref: str):
+        def __init__(self, ref: str, speculation: SpeculationOptions | None = None):
             super().__init__()
-            self.ref = ref
+            self.ref, self.speculation = ref, speculation
 
     def __init__(self, store: ChatStore, models: ModelHost, config: TuiConfig, *, initial_model: str | None = None):
         super().__init__(id="chat-screen")
@@ -98,7 +101,15 @@ class ChatScreen(Screen):
         else:
             self.new_chat()
         view.chat_input.focus()
-        self.post_message(self.ModelWanted(view.model_ref))
+        self._want_model()
+
+    def _want_model(self) -> None:
+        view = self.chat_view
+        try:
+            speculation = view.settings.speculation.to_options().validate()
+        except EdgeInferError:  # settings saved by an older version: the reply will say what is wrong
+            speculation = None
+        self.post_message(self.ModelWanted(view.model_ref, speculation))
 
     def _refresh_header(self) -> None:
         view = self.chat_view
@@ -217,6 +228,8 @@ class ChatScreen(Screen):
             if show != view.show_drafted:
                 view.action_toggle_drafted()
             self.notify(f"Speculation: {spec.describe()}.")
+            if spec.method in ("self", "draft"):  # make the self-draft / load the draft model now
+                self._want_model()
 
         self.app.push_screen(SpeculationScreen(view.settings.speculation, view.show_drafted, self._model_refs()), done)
 
@@ -237,7 +250,7 @@ class ChatScreen(Screen):
                 return
             view.update_chat(model=ref)
             view.set_stats(f"{ref} · loading…")
-            self.post_message(self.ModelWanted(ref))
+            self._want_model()
 
         self.app.push_screen(ModelPickerScreen(self.backend, view.model_ref), done)
 

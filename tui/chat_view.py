@@ -177,6 +177,12 @@ class ChatView(Vertical):
             return
         self.set_stats(f"model not loaded: {error}" if error else f"{ref} · ready")
 
+    def show_preparing(self, ref: str, progress: SpeculationProgress) -> None:
+        """Speculation is being prepared (by the reply or ahead of it): say how far, until the
+        reply's first tokens take the stats line."""
+        if self.active is None or self.active.length == 0:
+            self.set_stats(preparing_line(ref, progress))
+
     def _assistant_views(self) -> list[MessageView]:
         return [v for v in self.messages_view.query(MessageView) if v.role == "assistant"]
 
@@ -296,8 +302,8 @@ class ChatView(Vertical):
 
     def on_speculation_preparing(self, message: SpeculationPreparing) -> None:
         active = self._current(message.gen_id)
-        if active is not None and active.length == 0:
-            self.set_stats(preparing_line(active.model, message.progress))
+        if active is not None:
+            self.show_preparing(active.model, message.progress)
 
     async def on_tokens_ready(self, message: TokensReady) -> None:
         active = self._current(message.gen_id)

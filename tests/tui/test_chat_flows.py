@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
-from tui_helpers import run, wait_for
+from tui_helpers import open_screen, run, say, wait_for
 
 
 def _views(app):
@@ -157,26 +158,62 @@ def test_model_load_error_is_shown(make_app, backend):
     run(main())
 
 
-def test_speculation_being_prepared_shows_its_progress(make_app, backend):
-    """A first self-draft request quantizes the copy before its first token: the stats line says
-    so, with how far it is, instead of a bare 'generating…'."""
+WHAT = "making the Q3_K_M self-draft of smollm2-135m-instruct:q4_1"
+
+
+def _quantizing(backend) -> None:
     from edgeinfer import SpeculationProgress
 
-    what = "making the Q3_K_M self-draft of smollm2-135m-instruct:q4_1"
-    backend.preparing = (SpeculationProgress("quantize", what, 0, 200), SpeculationProgress("quantize", what, 90, 200))
+    backend.preparing = (SpeculationProgress("quantize", WHAT, 0, 200), SpeculationProgress("quantize", WHAT, 90, 200))
+
+
+def test_speculation_is_prepared_as_soon_as_it_is_chosen(make_app, backend):
+    """Choosing self-draft speculation (Ctrl+T) makes the copy at once, its progress on the stats
+    line, so the first reply does not sit on 'generating…' while it is quantized."""
+    _quantizing(backend)
+    backend.prepare_gate = threading.Event()
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(140, 30)) as pilot:
+            view = app.chat_view
+            await wait_for(pilot, lambda: view.chat is not None)
+            screen = await open_screen(pilot, "ctrl+t", "SpeculationScreen")
+            screen.query_one("#spec-method").value = "self"
+            await pilot.press("ctrl+s")
+            stats = app.chat_screen.query_one("#stats")
+            await wait_for(pilot, lambda: f"{WHAT}: 45 %" in str(stats.render()), what="the preparation's progress")
+            backend.prepare_gate.set()
+            await wait_for(pilot, lambda: "ready" in str(stats.render()), what="ready")
+            assert backend.preparations == [("smollm2-135m-instruct:q4_1", "self")]
+            await say(pilot, backend, "hi")
+            assert "2 tokens" in str(stats.render())
+
+    run(main())
+
+
+def test_a_reply_shows_the_preparation_it_waits_for(make_app, backend):
+    """A reply whose speculation was not prepared ahead prepares it first: the stats line shows
+    how far that is, then the reply's own numbers."""
+    from edgeinfer_tui.settings import SpeculationSettings
+
+    _quantizing(backend)
     backend.gate = threading.Semaphore(0)
 
     async def main():
         app = make_app()
         async with app.run_test(size=(140, 30)) as pilot:
-            await wait_for(pilot, lambda: app.chat_view.chat is not None)
-            app.chat_view.chat_input.text = "hi"
+            view = app.chat_view
+            await wait_for(pilot, lambda: view.chat is not None)
+            view.update_chat(settings=replace(view.settings, speculation=SpeculationSettings(method="self")).to_dict())
+            view.chat_input.text = "hi"
             await pilot.press("enter")
             stats = app.chat_screen.query_one("#stats")
-            await wait_for(pilot, lambda: f"{what}: 45 %" in str(stats.render()), what="the preparation's progress")
+            await wait_for(pilot, lambda: f"{WHAT}: 45 %" in str(stats.render()), what="the preparation's progress")
             backend.gate.release(10)
-            await wait_for(pilot, lambda: not app.chat_view.generating)
-            assert "2 tokens" in str(stats.render()) and what not in str(stats.render())
+            await wait_for(pilot, lambda: not view.generating)
+            assert "2 tokens" in str(stats.render()) and WHAT not in str(stats.render())
+            assert backend.preparations == []
 
     run(main())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from tui_helpers import open_screen, run, wait_for
+from tui_helpers import open_screen, run, say, wait_for
 
 
 def _views(app):
@@ -20,24 +20,17 @@ def _items(app):
     return list(app.chat_screen.query(ChatListItem))
 
 
-async def _say(pilot, app, backend, text: str) -> None:
-    n = len(backend.calls)
-    app.chat_view.chat_input.text = text  # typing is covered in test_chat_flows; keep these fast
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: len(backend.calls) == n + 1 and not app.chat_view.generating, what=f"reply to {text!r}")
-
-
 def test_switch_chats_and_persist_across_restart(make_app, backend):
     async def first_session():
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: app.chat_view.chat is not None)
-            await _say(pilot, app, backend, "alpha")
+            await say(pilot, backend, "alpha")
             first = app.chat_view.chat.id
             await pilot.press("ctrl+n")
             await wait_for(pilot, lambda: app.chat_view.chat.id != first)
             assert _views(app) == []
-            await _say(pilot, app, backend, "beta")
+            await say(pilot, backend, "beta")
             assert [i.title for i in _items(app)] == ["beta", "alpha"]
             # switch back through the sidebar
             lst = app.chat_screen.query_one("#chats")
@@ -46,7 +39,7 @@ def test_switch_chats_and_persist_across_restart(make_app, backend):
             await wait_for(pilot, lambda: app.chat_view.chat.id == first)
             await wait_for(pilot, lambda: [v.content for v in _views(app)] == ["alpha", "Echo: alpha"])
             # the history sent to the model is this chat's only
-            await _say(pilot, app, backend, "again")
+            await say(pilot, backend, "again")
             assert [m["content"] for m in backend.calls[-1][1]] == ["alpha", "Echo: alpha", "again"]
 
     async def second_session():
@@ -66,7 +59,7 @@ def test_rename_delete_export(make_app, backend, edgeinfer_home):
         app = make_app()
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: app.chat_view.chat is not None)
-            await _say(pilot, app, backend, "hello")
+            await say(pilot, backend, "hello")
             await pilot.press("f2")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "PromptScreen")
             app.screen.query_one("#prompt-input").value = "Greetings"
@@ -94,7 +87,7 @@ def test_pick_model_mid_chat(make_app, backend):
         app = make_app()
         async with app.run_test(size=(120, 30)) as pilot:
             await wait_for(pilot, lambda: app.chat_view.chat is not None and backend.loads)
-            await _say(pilot, app, backend, "hi")
+            await say(pilot, backend, "hi")
             assert backend.calls[-1][0] == "smollm2-135m-instruct:q4_1"
             await pilot.press("ctrl+o")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPickerScreen")
@@ -107,7 +100,7 @@ def test_pick_model_mid_chat(make_app, backend):
             await wait_for(pilot, lambda: app.chat_view.chat.model == "smollm2-135m-instruct:q8_0")
             await wait_for(pilot, lambda: backend.loads[-1] == "smollm2-135m-instruct:q8_0")
             assert "q8_0" in app.sub_title
-            await _say(pilot, app, backend, "again")
+            await say(pilot, backend, "again")
             ref, messages, _ = backend.calls[-1]
             assert ref == "smollm2-135m-instruct:q8_0"
             assert [m["content"] for m in messages] == ["hi", "Echo: hi", "again"]  # the same chat continues
@@ -131,7 +124,7 @@ def test_settings_modal_validates_and_applies(make_app, backend):
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
             assert app.store.get_chat(app.chat_view.chat.id).settings["temperature"] == 0
-            await _say(pilot, app, backend, "hi")
+            await say(pilot, backend, "hi")
             _, messages, options = backend.calls[-1]
             assert messages[0] == {"role": "system", "content": "You are terse."}
             assert options.sampling.temperature == 0 and options.sampling.seed == 42 and options.max_tokens == 64
@@ -153,7 +146,7 @@ def test_speculation_panel_stats_and_drafted_colouring(make_app, backend):
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
             assert app.chat_view.settings.speculation.method == "lookup" and app.chat_view.show_drafted
             assert "speculation: lookup, drafts up to 8 tokens" in app.sub_title
-            await _say(pilot, app, backend, "a b c d e")
+            await say(pilot, backend, "a b c d e")
             _, _, options = backend.calls[-1]
             assert options.speculation.method == "lookup" and options.speculation.draft_max == 8
             stats = str(app.chat_screen.query_one("#stats").render())

@@ -94,7 +94,8 @@ def test_task_tab_focuses_its_first_field_and_enter_starts_it(make_app, backend)
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
             screen = await _open_manage(pilot, app)
-            screen.query_one("#manage-tabs").active = "tab-pull"
+            assert app.focused is screen.query_one("#manage-tabs Tabs")
+            await pilot.press("right", "right")  # Models → Quality ladder → Pull
             await wait_for(pilot, lambda: app.focused is screen.query_one("#pull-source"), what="the pull field focused")
             await pilot.press(*"org/repo:Q4_K_M")
             assert screen.query_one("#pull-source").value == "org/repo:Q4_K_M"

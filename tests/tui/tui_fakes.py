@@ -90,10 +90,32 @@ class ScriptedGeneration:
 
 
 class ScriptedEngine:
+    """Speculation other than off/lookup needs preparing once per engine, as the real engine's
+    self-draft and draft-model methods do: `prepare_speculation` reports the backend's
+    `preparing` events (then waits for `prepare_gate`, when set); a generation whose speculation
+    was not prepared yields them before its first token."""
+
     def __init__(self, ref: str, backend: FakeBackend):
         self.ref = ref
         self.backend = backend
         self.closed = False
+        self.prepared: set[str] = set()
+
+    def _needs_preparing(self, spec: edgeinfer.SpeculationOptions) -> bool:
+        return spec.method not in ("off", "lookup") and spec.method not in self.prepared
+
+    def prepare_speculation(self, speculation, *, progress=None, cancel=None) -> None:
+        if not self._needs_preparing(speculation):
+            return
+        for ev in self.backend.preparing:
+            if progress is not None:
+                progress(ev)
+        gate = self.backend.prepare_gate
+        while gate is not None and not gate.wait(0.01):
+            if cancel is not None and cancel():
+                raise edgeinfer.Cancelled("preparing speculation")
+        self.prepared.add(speculation.method)
+        self.backend.preparations.append((self.ref, speculation.method))
 
     def chat(self, messages: list[dict[str, str]], options: Any = None) -> ScriptedGeneration:
         options = (options or edgeinfer.GenerateOptions()).validate()
@@ -101,8 +123,9 @@ class ScriptedEngine:
         if self.backend.fail_chat:
             raise edgeinfer.ContextLengthError(self.backend.fail_chat)
         tokens = self.backend.script(messages, options)
-        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method,
-                                  self.backend.preparing)
+        preparing = self.backend.preparing if self._needs_preparing(options.speculation) else ()
+        self.prepared.add(options.speculation.method)
+        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method, preparing)
 
     def close(self) -> None:
         self.closed = True
@@ -125,7 +148,9 @@ class FakeBackend:
     gate: threading.Semaphore | None = None
     fail_load: dict[str, str] = field(default_factory=dict)  # ref -> error message
     fail_chat: str | None = None
-    preparing: tuple[SpeculationProgress, ...] = ()  # yielded before the first token
+    preparing: tuple[SpeculationProgress, ...] = ()  # what preparing a self-draft/draft speculation reports
+    prepare_gate: threading.Event | None = None  # prepare_speculation ends once it is set
+    preparations: list[tuple[str, str]] = field(default_factory=list)  # (model, method) prepared ahead
     calls: list[tuple[str, list[dict[str, str]], Any]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     tasks: list[tuple[str, dict[str, str]]] = field(default_factory=list)

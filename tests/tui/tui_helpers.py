@@ -24,3 +24,13 @@ async def open_screen(pilot, key: str, name: str):
     await pilot.press(key)
     await wait_for(pilot, lambda: pilot.app.screen.__class__.__name__ == name, what=name)
     return pilot.app.screen
+
+
+async def say(pilot, backend, text: str) -> None:
+    """Send `text` from the chat input (set at once; typing is tested on its own) and wait for
+    the reply to end."""
+    view = pilot.app.chat_view
+    n = len(backend.calls)
+    view.chat_input.text = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(backend.calls) == n + 1 and not view.generating, what=f"reply to {text!r}")
