@@ -244,3 +244,23 @@ def test_prepare_speculation_reports_progress_and_can_be_cancelled(f16_path):
         assert [e.stage for e in loaded] == ["load", "ready"]
         done = engine.chat(PROMPTS[1], greedy(8, SpeculationOptions(method="self", self_quant="Q8_0"))).result()
         assert done.stats.speculation.method == "self=Q8_0"
+
+
+def test_cli_shows_the_self_draft_being_made_before_answering(f16_path):
+    """`edgeinfer run --speculate self=Q8_0` on a model without that copy prepares it first, with
+    its progress on stderr, instead of a silent first token that looks hung."""
+    import os
+    import subprocess
+    import sys
+
+    store = Store()
+    store.register(f16_path, "cli-target", "f16", owned=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", "cli-target:f16", "Say hi", "--speculate", "self=Q8_0", "-n", "4",
+         "--temperature", "0", "--threads", "1"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )
+    assert r.returncode == 0, r.stderr
+    bar = [line for line in r.stderr.splitlines() if "self-draft of cli-target:f16" in line]
+    assert bar and "100.0%" in bar[-1] and "tensors" in bar[-1]
+    assert r.stdout.strip() and any(m.name == "cli-target" and m.tag != "f16" for m in store.list())
