@@ -3,8 +3,6 @@ speculation panel and drafted-token colouring, help, command palette, remapped k
 
 from __future__ import annotations
 
-import threading
-
 from tui_helpers import open_screen, run, say, wait_for
 
 
