@@ -17,7 +17,7 @@ from __future__ import annotations
 import mmap
 import struct
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,8 @@ class GGUFInfo:
     file_size: int
     metadata: dict[str, Any]
     tensors: tuple[TensorInfo, ...] = field(repr=False)
+    # Byte spans of the large string arrays that were stepped over (for read_gguf's known_spans).
+    string_spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def architecture(self) -> str:
@@ -152,11 +154,13 @@ class _Cursor:
     left and against the limit for that kind of string.
     """
 
-    def __init__(self, buf: mmap.mmap | bytes, path: Path):
+    def __init__(self, buf: mmap.mmap | bytes, path: Path, known_spans: Mapping[str, tuple[int, int]]):
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
         self.path = path
+        self.known_spans = known_spans
+        self.spans: dict[str, tuple[int, int]] = {}
 
     def fail(self, problem: str) -> InvalidModelError:
         return InvalidModelError(f"{self.path.name}: not a valid GGUF file: {problem}")
@@ -212,10 +216,18 @@ class _Cursor:
         if etype == GGUFValueType.STRING:
             if keep:
                 return [self.string(f"element {i} of {key!r}") for i in range(length)]
-            if key == TOKENS_KEY:
-                return ArraySummary("STRING", length, self.first_duplicate(key, length))
-            self.walk_strings(key, length, _MAX_STRING)
-            return ArraySummary("STRING", length)
+            start = self.pos
+            known = self.known_spans.get(key)
+            if known is not None and known[0] == start and start <= known[1] <= self.size:
+                self.pos = known[1]  # this very file was walked before (see read_gguf)
+                duplicate = None
+            elif key == TOKENS_KEY:
+                duplicate = self.first_duplicate(key, length)
+            else:
+                self.walk_strings(key, length, _MAX_STRING)
+                duplicate = None
+            self.spans[key] = (start, self.pos)
+            return ArraySummary("STRING", length, duplicate)
         if etype == GGUFValueType.ARRAY:
             raise self.fail(f"array {key!r} holds arrays (llama.cpp reads no nested arrays)")
         raise self.fail(f"unknown array element type {etype} in {key!r}")
@@ -276,8 +288,15 @@ class _Cursor:
         return found[0] if found else None
 
 
-def read_gguf(path: str | Path, *, keep_arrays: bool = False) -> GGUFInfo:
-    """Parse and validate a GGUF file; raise InvalidModelError (one line) on any problem."""
+def read_gguf(
+    path: str | Path, *, keep_arrays: bool = False, known_spans: Mapping[str, tuple[int, int]] | None = None
+) -> GGUFInfo:
+    """Parse and validate a GGUF file; raise InvalidModelError (one line) on any problem.
+
+    `known_spans` (GGUFInfo.string_spans of an earlier read of this very file, unchanged since:
+    the caller's business) lets the reader step over large string arrays (the vocabulary and
+    merges: most of the time a read takes) instead of walking them again.
+    """
     path = Path(path)
     if not path.exists():
         raise ModelNotFoundError(f"no such file: {path}")
@@ -290,11 +309,13 @@ def read_gguf(path: str | Path, *, keep_arrays: bool = False) -> GGUFInfo:
         if f.read(4) != GGUF_MAGIC:
             raise InvalidModelError(f"{path.name}: not a GGUF file (bad magic)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse(mm, path, file_size, keep_arrays)
+            return _parse(mm, path, file_size, keep_arrays, known_spans or {})
 
 
-def _parse(buf: mmap.mmap | bytes, path: Path, file_size: int, keep_arrays: bool) -> GGUFInfo:
-    cur = _Cursor(buf, path)
+def _parse(
+    buf: mmap.mmap | bytes, path: Path, file_size: int, keep_arrays: bool, known_spans: Mapping[str, tuple[int, int]]
+) -> GGUFInfo:
+    cur = _Cursor(buf, path, known_spans)
     cur.need(4, "magic")
     version = cur.unpack("<I", "version")
     if version not in _SUPPORTED_VERSIONS:
@@ -370,4 +391,6 @@ def _parse(buf: mmap.mmap | bytes, path: Path, file_size: int, keep_arrays: bool
         expected += -(-n_bytes // alignment) * alignment
         tensors.append(TensorInfo(name, shape, qtype.name, type_id, start, n_elements, n_bytes))
 
-    return GGUFInfo(path=path, version=version, file_size=file_size, metadata=metadata, tensors=tuple(tensors))
+    return GGUFInfo(
+        path=path, version=version, file_size=file_size, metadata=metadata, tensors=tuple(tensors), string_spans=cur.spans
+    )

@@ -229,3 +229,23 @@ def test_register_refuses_what_only_llama_cpp_finds(tmp_path, monkeypatch):
         store.register(path, "rot", "f32", owned=False)
     assert "\n" not in str(info.value)
     assert all(m.name != "rot" for m in store.list())
+
+
+def test_a_second_validation_skips_the_vocabulary_walk_only_for_the_same_file(tmp_path, monkeypatch):
+    import edgeinfer.gguf_file as gguf_file
+    from edgeinfer import Store
+
+    store = Store()
+    path = write_model(tmp_path / "m.gguf")
+    first = validate_file(path, store)
+    walks = []
+    original = gguf_file._Cursor.first_duplicate
+    monkeypatch.setattr(gguf_file._Cursor, "first_duplicate", lambda self, *a: walks.append(1) or original(self, *a))
+    again = validate_file(path, store)
+    assert walks == []  # stepped over: the same file, unchanged
+    assert again.metadata == first.metadata and again.tensors == first.tensors
+    # the same path rewritten with a duplicated token: walked again, and refused
+    write_model(path, **CASES["duplicate token text"][0])
+    with pytest.raises(InvalidModelError, match="same text"):
+        validate_file(path, store)
+    assert walks == [1]
