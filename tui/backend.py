@@ -18,6 +18,7 @@ from edgeinfer import DownloadProgress, PullPlan, PullStage, pull
 from edgeinfer.convert import ConvertProgress, convert_model
 from edgeinfer.evaluate import EvalProgress, evaluate
 from edgeinfer.fit import available_memory, fit
+from edgeinfer.hub import DEFAULT_QUANT
 from edgeinfer.quantize import QuantizeProgress, quantize_model
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 
 TASK_KINDS: tuple[str, ...] = ("pull", "convert", "quantize", "evaluate")
 # Tasks whose library call takes a cancel token (the others run to the end once started).
-CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "convert"})
+CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "convert", "quantize"})
 
 
 @dataclass(frozen=True)
@@ -206,8 +207,8 @@ class LibraryBackend:
         self, kind: str, args: dict[str, str], on_progress: Callable[[TaskProgress], None], cancel: threading.Event
     ) -> str:
         """Run one manage task (blocking, from a worker thread); returns a one-line result.
-        `cancel` stops a pull between chunks (the partial file is kept for a resume) and a
-        conversion between tensors."""
+        `cancel` stops a pull between chunks (the partial file is kept for a resume), a
+        conversion between tensors and a quantization at once (nothing is left behind)."""
 
         def progress(ev: object) -> None:
             on_progress(progress_from_event(ev, kind))
@@ -219,7 +220,7 @@ class LibraryBackend:
             manifest = convert_model(source, args.get("outtype") or None, on_progress=progress, cancel=cancel).manifest
             ref = manifest.ref if manifest is not None else None
         elif kind == "quantize":
-            ref = quantize_model(source, args.get("qtype") or "Q4_K_M", on_progress=progress).ref
+            ref = quantize_model(source, args.get("qtype") or DEFAULT_QUANT, on_progress=progress, cancel=cancel).ref
         elif kind == "evaluate":  # against the full-precision model it was derived from; saved in the manifest
             result = evaluate(source, on_progress=progress)
             if result.kld is not None and result.same_top is not None:

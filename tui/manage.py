@@ -30,6 +30,8 @@ from textual.widgets import (
     TabPane,
 )
 
+from edgeinfer.hub import DEFAULT_QUANT
+
 from .backend import CANCELLABLE_TASKS, Backend, ModelEntry, TaskProgress
 from .modals.confirm import ConfirmScreen
 from .model_table import MODEL_COLUMNS, format_optional, format_size, model_rows
@@ -46,7 +48,7 @@ TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
     ),
     "quantize": (
         "Quantize",
-        [("source", "Model", "smollm2-135m-instruct:f16"), ("qtype", "Quant type", "Q4_K_M")],
+        [("source", "Model", "smollm2-135m-instruct:f16"), ("qtype", "Quant type", DEFAULT_QUANT)],
         "k-quants through llama.cpp's quantizer; progress per tensor.",
     ),
     "evaluate": (
