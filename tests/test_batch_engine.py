@@ -298,3 +298,36 @@ def test_close_cancels_running_requests(f16_path):
     assert gen.result().finish_reason == "cancelled"
     with pytest.raises(edgeinfer.InvalidOptionError):
         be.generate("again")
+
+
+@pytest.mark.slow
+def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
+    """Continuous batching: while a 1500-token prompt is prefilled (128 tokens a step), a running
+    request keeps receiving tokens, instead of waiting for the whole prefill."""
+    batch = BatchOptions(parallel=2, prefill_chunk=128)
+    with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
+        arrivals: list[tuple[str, int]] = []  # (who, index), in the order the readers saw them
+        lock = threading.Lock()
+
+        decoding = threading.Event()
+
+        def read(name: str, gen) -> None:
+            for i, _ in enumerate(gen):
+                with lock:
+                    arrivals.append((name, i))
+                decoding.set()
+
+        counting = be.generate("1, 2, 3, 4, 5, 6, 7, 8,", greedy(120))
+        reader = threading.Thread(target=read, args=("running", counting))
+        reader.start()
+        assert decoding.wait(timeout=300)  # the first request decodes before the long one arrives
+        long_prompt = be.tokenize("word " * 1500)
+        assert len(long_prompt) > 1200
+        late = be.submit(long_prompt, greedy(4))
+        read("long", late)
+        reader.join()
+        first_long = arrivals.index(("long", 0))
+        running_before = [a for a in arrivals[:first_long] if a[0] == "running"]
+        assert late.done.stats.cached_tokens == 0
+        # ~10 prefill steps: the running request got a token from (nearly) each of them.
+        assert len(running_before) >= 8, arrivals[: first_long + 1]
