@@ -232,9 +232,11 @@ class _Cursor:
             raise self.fail(f"array {key!r} holds arrays (llama.cpp reads no nested arrays)")
         raise self.fail(f"unknown array element type {etype} in {key!r}")
 
-    def walk_strings(self, key: str, length: int, limit: int, texts: Callable[[int, bytes], None] | None = None) -> None:
-        """Step over `length` strings of an array (the hot loop of a vocabulary: kept tight),
-        handing each one's bytes to `texts` when given (an empty one as llama.cpp names it)."""
+    def walk_strings(self, key: str, length: int, limit: int, hashes: array | None = None) -> None:
+        """Step over `length` strings of an array (the hot loop of a vocabulary: kept tight).
+        With `hashes`, each entry must be UTF-8 (llama.cpp's tokenizer throws, uncaught, on one that
+        is not) and its hash is appended, the text as llama.cpp sees it: it names an empty entry i
+        "[EMPTY_i]"."""
         buf, size, pos = self.buf, self.size, self.pos
         read_length = _U64.unpack_from
         for i in range(length):
@@ -247,45 +249,49 @@ class _Cursor:
                 self.pos = pos
                 what = f"more than the {limit} allowed" if n > limit else "past the end of the file"
                 raise self.fail(f"element {i} of {key!r} claims {n} bytes, {what}")
-            if texts is not None:
-                texts(i, buf[pos : pos + n] if n else f"[EMPTY_{i}]".encode())
+            if hashes is not None:
+                text = buf[pos : pos + n] if n else f"[EMPTY_{i}]".encode()
+                if not text.isascii() and not _is_utf8(text):
+                    self.pos = pos
+                    raise self.fail(f"element {i} of {key!r} is not UTF-8")
+                hashes.append(hash(text))
             pos += n
         self.pos = pos
 
     def first_duplicate(self, key: str, length: int) -> tuple[int, int] | None:
-        """Walk a vocabulary and find two entries with the same text, as llama.cpp sees them (it
-        maps an empty token i to "[EMPTY_i]"). Keeps one 8-byte hash per token, not the texts."""
+        """Walk a vocabulary (see walk_strings) and return the first two indices whose texts are
+        equal. Keeps one 8-byte hash per entry, not the texts."""
         start = self.pos
         hashes = array("q")
-
-        def add(i: int, text: bytes) -> None:
-            try:
-                text.decode("utf-8")  # llama.cpp's tokenizer throws (uncaught) on a token that is not
-            except UnicodeDecodeError:
-                raise self.fail(f"element {i} of {key!r} is not UTF-8") from None
-            hashes.append(hash(text))
-
-        self.walk_strings(key, length, _MAX_TOKEN, add)
+        self.walk_strings(key, length, _MAX_TOKEN, hashes)
         ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))
         equal = ordered[1:] == ordered[:-1]
         if not equal.any():
             return None
         colliding = set(ordered[1:][equal].tolist())
-        del hashes, ordered, equal
         # Equal hashes: compare the texts themselves (a second walk, only in this rare case).
         end, self.pos = self.pos, start
         first_seen: dict[bytes, int] = {}
-        found: list[tuple[int, int]] = []
-
-        def compare(i: int, text: bytes) -> None:
-            if not found and hash(text) in colliding:
-                if text in first_seen:
-                    found.append((first_seen[text], i))
-                first_seen.setdefault(text, i)
-
-        self.walk_strings(key, length, _MAX_TOKEN, compare)
+        found = None
+        for i in range(length):
+            (n,) = _U64.unpack_from(self.buf, self.pos)
+            text = self.buf[self.pos + 8 : self.pos + 8 + n] if n else f"[EMPTY_{i}]".encode()
+            self.pos += 8 + n
+            if hashes[i] in colliding:
+                j = first_seen.setdefault(text, i)
+                if j != i:
+                    found = (j, i)
+                    break
         self.pos = end
-        return found[0] if found else None
+        return found
+
+
+def _is_utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def read_gguf(

@@ -9,7 +9,7 @@ types, dimensions, offsets, NaN/inf floats, duplicated tokens, truncation. For e
   under tracemalloc instead of ~0.1 s) the growth of the process's peak RSS;
 - (slow tier) every mutant it accepts loads in llama.cpp in a child process without a signal.
 
-EDGEINFER_FUZZ_N sets the number of mutants (default 510: 450 synthetic, 60 of the default
+EDGEINFER_FUZZ_N sets the number of mutants (default 510: 480 synthetic, 30 of the default
 model; the same proportion otherwise), EDGEINFER_FUZZ_SEED the seed, EDGEINFER_FUZZ_PROBES how
 many accepted mutants the slow test loads in llama.cpp.
 """
@@ -33,7 +33,7 @@ from .gguf_samples import write_model
 
 SEED = int(os.environ.get("EDGEINFER_FUZZ_SEED", "12"))
 N_TOTAL = int(os.environ.get("EDGEINFER_FUZZ_N", "510"))
-N_DEFAULT = max(1, N_TOTAL * 2 // 17)
+N_DEFAULT = max(1, N_TOTAL // 17)
 N_SYNTHETIC = N_TOTAL - N_DEFAULT
 N_PROBED = int(os.environ.get("EDGEINFER_FUZZ_PROBES", "50"))
 # What the validator may allocate: this multiple of the header, plus a fixed allowance.
