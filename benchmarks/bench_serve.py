@@ -193,9 +193,8 @@ def main() -> int:
     try:
         samples: dict[tuple[str, int], list[dict]] = {}
         loads: list[float] = []
-        for c in levels:  # warm-up: first requests pay for page faults and the cost calibration
-            for url, extra in servers.values():
-                round_of(url, prompts(args.workload, c, "warm-up "), 8, extra)
+        for url, extra in servers.values():  # warm-up: page faults and the cost calibration
+            round_of(url, prompts(args.workload, 1, "warm-up "), 4, extra)
         for rnd in range(args.rounds):
             for c in levels:
                 names = list(servers)
