@@ -45,6 +45,7 @@ from .errors import (
     StoreError,
 )
 from .gguf_file import GGUFInfo, TensorInfo, read_gguf
+from .kv_types import KV_CACHE_TYPES, KV_TYPE_NAMES, KVCacheType
 from .hub import DiskUsage, DiskUsageRow, DownloadProgress, disk_usage, purge_cache
 from .pull import PullEvent, PullPlan, PullResult, PullStage, plan, pull, pull_source
 from .store import DEFAULT_MODEL, ModelManifest, Store
@@ -71,6 +72,9 @@ __all__ = [
     "DEFAULT_SAMPLING",
     "DEFAULT_SPECULATION",
     "DEFAULT_GENERATE",
+    "KV_TYPE_NAMES",
+    "KV_CACHE_TYPES",
+    "KVCacheType",
     "Event",
     "TokenEvent",
     "DoneEvent",

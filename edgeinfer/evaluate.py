@@ -12,6 +12,10 @@ Against a reference model (by default the full-precision model this one was deri
 All log-softmaxes are computed in float64 from llama.cpp's float32 logits. The reference's
 log-probabilities are computed once per chunk and kept in memory (within a budget) so that a whole
 ladder is evaluated with one reference pass.
+
+`evaluate_kv` measures what KV-cache quantization alone costs: the same model with a quantized K
+and/or V cache against itself with an f16 cache, on long chunks (4096 tokens by default) of which
+only the last `scored` positions are scored, where the quantized cache holds the most context.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +40,7 @@ __all__ = [
     "EvalResult",
     "evaluate",
     "evaluate_many",
+    "evaluate_kv",
     "default_eval_text",
     "default_reference",
     "make_chunks",
@@ -72,6 +77,7 @@ class EvalResult:
     rms_delta_p: float | None
     text_sha256: str
     seconds: float
+    kv_types: str = "f16/f16"  # K/V cache types the model ran with (the reference always f16/f16)
 
     def to_metrics(self) -> dict[str, Any]:
         d = asdict(self)
@@ -176,11 +182,12 @@ class _Acc:
         )
 
 
-def _load(model: str | Path, ctx: int, n_threads: int | None) -> Any:
+def _load(model: str | Path, ctx: int, n_threads: int | None, kv: tuple[str | None, str | None] = (None, None)) -> Any:
     from .engine import load
     from .engine.options import LoadOptions
 
-    return load(model=str(model) if isinstance(model, Path) else model, options=LoadOptions(n_ctx=ctx, n_threads=n_threads))
+    options = LoadOptions(n_ctx=ctx, n_threads=n_threads, kv_type_k=kv[0], kv_type_v=kv[1])
+    return load(model=str(model) if isinstance(model, Path) else model, options=options)
 
 
 def _bos(engine: Any) -> int | None:
@@ -201,20 +208,28 @@ def evaluate_many(
     save: bool = True,
     on_progress: Callable[[EvalProgress], None] | None = None,
     cache_budget_bytes: int = 1536 << 20,
+    kv_type_k: str | None = None,
+    kv_type_v: str | None = None,
+    scored: int | None = None,
 ) -> list[EvalResult]:
     """Evaluate several models on the same chunks against one reference (computed once per chunk).
 
     With save=True, each store model's manifest gets the result under metrics["eval"] (and the
-    reference, when it is a store model, its own PPL with KLD 0).
+    reference, when it is a store model, its own PPL with KLD 0). `kv_type_k`/`kv_type_v` set the
+    evaluated models' KV-cache types (the reference keeps f16); `scored` scores only the last
+    `scored` positions of each chunk (default: its second half, as llama-perplexity).
     """
     from .store import Store
 
     if ctx < 16 or ctx % 2:
         raise InvalidOptionError(f"ctx must be an even number >= 16, got {ctx}")
+    if scored is not None and not 1 <= scored <= ctx // 2:
+        raise InvalidOptionError(f"scored positions must be in [1, {ctx // 2}] for ctx {ctx}, got {scored}")
     store = store or Store()
     text = default_eval_text() if text is None else text
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    first = ctx // 2
+    first = ctx - 1 - scored if scored is not None else ctx // 2
+    kv = (kv_type_k, kv_type_v)
 
     ref_engine = _load(reference, ctx, n_threads) if reference is not None else None
     try:
@@ -249,7 +264,7 @@ def evaluate_many(
         results = []
         ref_name = str(reference) if reference is not None else None
         for mi, model in enumerate(models):
-            engine = _load(model, ctx, n_threads)
+            engine = _load(model, ctx, n_threads, kv)
             started = time.monotonic()
             try:
                 if engine.n_vocab != vocab:
@@ -266,6 +281,7 @@ def evaluate_many(
                 engine.close()
             result = acc.result(manifest.ref if manifest else str(model), ref_name, ctx, len(chunk_list), sha,
                                 time.monotonic() - started)
+            result = replace(result, kv_types="/".join(engine.options.kv_types))
             results.append(result)
             if save and manifest is not None:
                 store.update_metrics(manifest.ref, "eval", result.to_metrics())
@@ -297,6 +313,7 @@ def evaluate(
     n_threads: int | None = None,
     save: bool = True,
     on_progress: Callable[[EvalProgress], None] | None = None,
+    scored: int | None = None,
 ) -> EvalResult:
     """Evaluate one model. reference="auto": the full-precision model it was derived from, if any."""
     from .store import Store
@@ -306,4 +323,29 @@ def evaluate(
         _, manifest = store.resolve(model)
         reference = default_reference(manifest, store)
     return evaluate_many([model], reference, text=text, ctx=ctx, chunks=chunks, store=store,
-                         n_threads=n_threads, save=save, on_progress=on_progress)[0]
+                         n_threads=n_threads, save=save, on_progress=on_progress, scored=scored)[0]
+
+
+def evaluate_kv(
+    model: str | Path | None,
+    kv_type_k: str = "f16",
+    kv_type_v: str = "f16",
+    *,
+    text: str | None = None,
+    ctx: int = 4096,
+    chunks: int | None = None,
+    scored: int | None = 512,
+    store: Store | None = None,
+    n_threads: int | None = None,
+    on_progress: Callable[[EvalProgress], None] | None = None,
+) -> EvalResult:
+    """What KV-cache quantization alone costs `model`: KLD, same-top and Δp of the model with
+    K/V caches of `kv_type_k`/`kv_type_v` against the same weights with an f16 cache, on chunks of
+    `ctx` tokens, scoring the last `scored` positions of each (None: the second half). Not saved."""
+    from .store import Store
+
+    store = store or Store()
+    path, _ = store.resolve(model)
+    return evaluate_many([path], path, text=text, ctx=ctx, chunks=chunks, store=store, n_threads=n_threads,
+                         save=False, on_progress=on_progress, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
+                         scored=scored)[0]

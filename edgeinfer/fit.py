@@ -1,7 +1,8 @@
 """Will a model fit in this machine's memory, and which quant of a ladder to pick.
 
 Memory needed = weights (tensor bytes of the file; llama.cpp maps them) + KV cache
-(n_layer × n_ctx × n_head_kv × head_dim × 2 (K and V) × bytes per element of the KV type)
+(n_layer × n_ctx × n_head_kv × (head_dim_k × bytes of the K type + head_dim_v × bytes of the V type),
+block overhead included: see edgeinfer.kv_types)
 + an estimate of llama.cpp's compute buffers (activations of one n_batch-token batch, the logits
 buffer, and the attention scores when flash attention is off). It is compared with MemAvailable
 from /proc/meminfo (and the cgroup's memory limit when one is set).
@@ -9,12 +10,13 @@ from /proc/meminfo (and the cgroup's memory limit when one is set).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidOptionError, ModelNotFoundError
 from .gguf_file import GGUFInfo, read_gguf
+from .kv_types import KV_CACHE_TYPES, flash_attn_for, kv_cache_type
 
 if TYPE_CHECKING:
     from .store import ModelManifest, Store
@@ -26,14 +28,15 @@ __all__ = [
     "Candidate",
     "Recommendation",
     "estimate_memory",
+    "kv_cache_sizes",
     "available_memory",
     "fit",
     "ladder",
     "recommend",
 ]
 
-# Bytes per cached element: f16 = 2; q8_0 = 34 bytes per 32; q4_0 = 18 bytes per 32.
-KV_BYTES_PER_ELEMENT: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# Bytes per cached element, block overhead included (q8_0: 34 bytes per 32), for every KV-cache type.
+KV_BYTES_PER_ELEMENT: dict[str, float] = {name: t.bytes_per_element for name, t in KV_CACHE_TYPES.items()}
 _OVERHEAD = 16 << 20  # context and graph metadata, vocabulary tables, output buffer
 
 
@@ -44,7 +47,7 @@ class MemoryEstimate:
     compute: int
     total: int
     n_ctx: int
-    kv_type: str
+    kv_type: str  # "q8_0", or "K/V" (e.g. "q8_0/f16") when they differ
     n_layer: int
     n_head_kv: int
     head_dim: int
@@ -56,6 +59,7 @@ class FitReport:
     estimate: MemoryEstimate
     available: int  # bytes available now
     fits: bool
+    kv_by_type: dict[str, int] = field(default_factory=dict)  # KV-cache bytes at n_ctx for every type (K = V)
 
     @property
     def headroom(self) -> int:
@@ -69,30 +73,60 @@ def _meta(info: GGUFInfo, key: str, default: Any = None) -> Any:
     return value
 
 
-def estimate_memory(info: GGUFInfo, n_ctx: int | None = None, kv_type: str = "f16", n_batch: int = 512,
-                    flash_attn: bool | None = None) -> MemoryEstimate:
-    """Memory to run `info`'s model with an n_ctx-token context (None: min(trained, 4096), like the engine)."""
-    if kv_type not in KV_BYTES_PER_ELEMENT:
-        raise InvalidOptionError(f"unknown KV-cache type {kv_type!r}: choose one of {', '.join(KV_BYTES_PER_ELEMENT)}")
-    trained = info.context_length or 4096
-    n_ctx = n_ctx or min(trained, 4096)
-    if n_ctx < 16:
-        raise InvalidOptionError(f"context size must be at least 16, got {n_ctx}")
-    n_layer = int(_meta(info, "block_count", 0))
+@dataclass(frozen=True)
+class _KVShape:
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+
+    def bytes(self, n_ctx: int, type_k: str, type_v: str) -> int:
+        k, v = kv_cache_type(type_k), kv_cache_type(type_v)
+        per_token = self.n_head_kv * (self.head_dim_k * k.bytes_per_element + self.head_dim_v * v.bytes_per_element)
+        return int(self.n_layer * n_ctx * per_token)
+
+
+def _kv_shape(info: GGUFInfo) -> _KVShape:
     n_embd = int(_meta(info, "embedding_length", 0))
     n_head = int(_meta(info, "attention.head_count", 1)) or 1
     n_head_kv = int(_meta(info, "attention.head_count_kv", n_head)) or n_head
     head_dim_k = int(_meta(info, "attention.key_length", n_embd // n_head if n_head else 0))
     head_dim_v = int(_meta(info, "attention.value_length", head_dim_k))
+    return _KVShape(int(_meta(info, "block_count", 0)), n_head_kv, head_dim_k, head_dim_v)
+
+
+def _context(info: GGUFInfo, n_ctx: int | None) -> int:
+    n_ctx = n_ctx or min(info.context_length or 4096, 4096)
+    if n_ctx < 16:
+        raise InvalidOptionError(f"context size must be at least 16, got {n_ctx}")
+    return n_ctx
+
+
+def kv_cache_sizes(info: GGUFInfo, n_ctx: int | None = None) -> dict[str, int]:
+    """Bytes of the KV cache at n_ctx tokens for every KV-cache type (the same type for K and V)."""
+    shape, n_ctx = _kv_shape(info), _context(info, n_ctx)
+    return {name: shape.bytes(n_ctx, name, name) for name in KV_CACHE_TYPES}
+
+
+def estimate_memory(info: GGUFInfo, n_ctx: int | None = None, kv_type: str = "f16", n_batch: int = 512,
+                    flash_attn: bool | None = None, *, kv_type_k: str | None = None,
+                    kv_type_v: str | None = None) -> MemoryEstimate:
+    """Memory to run `info`'s model with an n_ctx-token context (None: min(trained, 4096), like the engine).
+    `kv_type` sets both caches; `kv_type_k`/`kv_type_v` override one of them."""
+    type_k, type_v = (kv_type_k or kv_type).lower(), (kv_type_v or kv_type).lower()
+    # llama.cpp's "auto" flash attention is on for CPU; only an explicit False adds the KQ scores.
+    fa = flash_attn_for(type_k, type_v, flash_attn) is not False  # also checks both names
+    n_ctx = _context(info, n_ctx)
+    kv = _kv_shape(info)
+    n_layer = kv.n_layer
+    n_embd = int(_meta(info, "embedding_length", 0))
+    n_head = int(_meta(info, "attention.head_count", 1)) or 1
     n_ff = int(_meta(info, "feed_forward_length", 4 * n_embd))
     vocab = info.metadata.get("tokenizer.ggml.tokens")
     n_vocab = getattr(vocab, "length", None) or (len(vocab) if isinstance(vocab, list) else 32000)
 
-    kv_bytes = KV_BYTES_PER_ELEMENT[kv_type]
-    kv_cache = int(n_layer * n_ctx * n_head_kv * (head_dim_k + head_dim_v) * kv_bytes)
+    kv_cache = kv.bytes(n_ctx, type_k, type_v)
     n_ub = min(n_batch, n_ctx)
-    # llama.cpp's "auto" flash attention is on for CPU; only an explicit False adds the KQ scores.
-    fa = flash_attn is not False
     # f32 buffers of one micro-batch, reused across layers by ggml's graph allocator: the logits of the
     # batch dominate (n_vocab), plus the residual stream and the FFN activations. Checked against
     # llama.cpp's "CPU compute buffer size" for SmolLM2-135M: 98.3 MiB at n_batch 512, estimated 101.
@@ -100,8 +134,9 @@ def estimate_memory(info: GGUFInfo, n_ctx: int | None = None, kv_type: str = "f1
     scores = 0 if fa else 4 * n_ub * n_ctx * n_head
     compute = activations + scores + _OVERHEAD
     weights = info.tensor_bytes
-    return MemoryEstimate(weights, kv_cache, compute, weights + kv_cache + compute, n_ctx, kv_type, n_layer,
-                          n_head_kv, head_dim_k)
+    label = type_k if type_k == type_v else f"{type_k}/{type_v}"
+    return MemoryEstimate(weights, kv_cache, compute, weights + kv_cache + compute, n_ctx, label, n_layer,
+                          kv.n_head_kv, kv.head_dim_k)
 
 
 def available_memory() -> int:
@@ -138,15 +173,17 @@ def available_memory() -> int:
 
 
 def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16", *, store: Store | None = None,
-        available: int | None = None) -> FitReport:
+        available: int | None = None, kv_type_k: str | None = None, kv_type_v: str | None = None) -> FitReport:
     """Estimate the memory a model needs and compare it with what is available."""
     from .store import Store
 
     store = store or Store()
     path, manifest = store.resolve(model)
-    est = estimate_memory(read_gguf(path), n_ctx, kv_type)
+    info = read_gguf(path)
+    est = estimate_memory(info, n_ctx, kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
     avail = available_memory() if available is None else available
-    return FitReport(manifest.ref if manifest else str(path), est, avail, est.total <= avail)
+    return FitReport(manifest.ref if manifest else str(path), est, avail, est.total <= avail,
+                     kv_cache_sizes(info, est.n_ctx))
 
 
 @dataclass(frozen=True)
@@ -183,7 +220,8 @@ def ladder(name: str, *, store: Store | None = None) -> list[ModelManifest]:
 
 
 def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_quality: float | None = None,
-              store: Store | None = None, available: int | None = None) -> Recommendation:
+              store: Store | None = None, available: int | None = None, kv_type_k: str | None = None,
+              kv_type_v: str | None = None) -> Recommendation:
     """The quant of ladder `name` to use on this machine.
 
     Without `min_quality`: the highest-quality member that fits (lowest measured KLD; members not
@@ -198,7 +236,7 @@ def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_
     for m in ladder(name, store=store):
         ev = m.metrics.get("eval") or {}
         bench = m.metrics.get("bench") or {}
-        report = fit(m.ref, n_ctx, kv_type, store=store, available=avail)
+        report = fit(m.ref, n_ctx, kv_type, store=store, available=avail, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
         cands.append(Candidate(m, report, ev.get("kld"), ev.get("ppl"), ev.get("same_top"), bench.get("decode_tok_s")))
     fitting = [c for c in cands if c.fit.fits]
     if not fitting:

@@ -26,13 +26,12 @@ from typing import Any
 
 from . import paths
 from .errors import InvalidOptionError
+from .kv_types import KV_TYPE_NAMES
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
 
 __all__ = ["QuantProfile", "ProfileError", "load_profiles", "get_profile", "parse_profile", "KV_CACHE_TYPES"]
 
-# The engine's KV-cache types (edgeinfer.engine.options.KV_TYPES); repeated here so that reading
-# a profile never imports the engine.
-KV_CACHE_TYPES: tuple[str, ...] = ("f16", "q8_0", "q4_0")
+KV_CACHE_TYPES: tuple[str, ...] = KV_TYPE_NAMES  # the one list, in the bottom module edgeinfer.kv_types
 
 _KEYS = {"use_when", "weights", "output_type", "embedding_type", "kv_type", "overrides"}
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import ProgressBar, common_options, format_bytes, print_table
+from ._common import (
+    INT32_MAX,
+    ProgressBar,
+    add_kv_options,
+    common_options,
+    format_bytes,
+    int_range,
+    kv_options,
+    print_table,
+    threads_type,
+)
 
 __all__ = ["register"]
 
@@ -18,15 +28,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Evaluate like llama-perplexity: chunks of --ctx tokens, the second half of each scored with the "
         "first half as context. Against a reference (default: the full-precision model this one was derived "
         "from) it adds mean KL divergence, the share of positions with the same top token, and Δp. The result "
-        "is saved in the model's manifest. --ladder NAME evaluates every quant of NAME and prints the table.",
+        "is saved in the model's manifest. --ladder NAME evaluates every quant of NAME and prints the table. "
+        "With --kv-type/--kv-type-k/--kv-type-v other than f16 it measures what that KV-cache quantization alone "
+        "costs: the same model with an f16 cache is the reference, on chunks of --ctx 4096 tokens (default there) "
+        "whose last --scored positions are scored.",
     )
     p.add_argument("model", nargs="?", help="model to evaluate (store name or .gguf path)")
     p.add_argument("--ladder", metavar="NAME", help="evaluate and tabulate every quant of store model NAME")
     p.add_argument("--reference", help="reference model (default: the full-precision model it was derived from)")
     p.add_argument("--text", help="evaluation text file (default: the text shipped with edgeinfer)")
-    p.add_argument("--ctx", type=int, default=512, help="chunk size in tokens (default 512)")
-    p.add_argument("--chunks", type=int, help="number of chunks (default: as many as the text holds)")
-    p.add_argument("--threads", type=int, help="threads (default: all cores)")
+    p.add_argument("--ctx", type=int_range(1, INT32_MAX), help="chunk size in tokens (default 512; 4096 for a KV-cache eval)")
+    p.add_argument("--scored", type=int_range(1, INT32_MAX), help="score only the last N positions of each chunk "
+                   "(default: its second half; 512 for a KV-cache eval)")
+    add_kv_options(p)
+    p.add_argument("--chunks", type=int_range(1, INT32_MAX), help="number of chunks (default: as many as the text holds)")
+    p.add_argument("--threads", type=threads_type, help="threads (default: all cores)")
     p.add_argument("--force", action="store_true", help="--ladder: re-measure models that already have results")
     p.add_argument("--no-bench", action="store_true", help="--ladder: do not measure decode speed")
     p.set_defaults(func=run)
@@ -52,17 +68,44 @@ def run(args: argparse.Namespace) -> int:
 
     if bool(args.model) == bool(args.ladder):
         raise InvalidOptionError("give either a MODEL or --ladder NAME")
+    kv = kv_options(args)
+    kv_k, kv_v = kv["kv_type_k"] or kv["kv_type"], kv["kv_type_v"] or kv["kv_type"]
+    if (kv_k, kv_v) != ("f16", "f16"):
+        if args.ladder or args.reference:
+            raise InvalidOptionError("a KV-cache eval compares MODEL with itself on an f16 cache: no --ladder or --reference")
+        return _kv_eval(args, kv_k, kv_v)
     if args.ladder:
         return _ladder(args)
     from edgeinfer.evaluate import evaluate
 
     bar = ProgressBar("eval", None)
     try:
-        result = evaluate(args.model, args.reference or "auto", text=_read_text(args.text), ctx=args.ctx,
-                          chunks=args.chunks, n_threads=args.threads,
+        result = evaluate(args.model, args.reference or "auto", text=_read_text(args.text), ctx=args.ctx or 512,
+                          chunks=args.chunks, n_threads=args.threads, scored=args.scored,
                           on_progress=lambda e: bar.update(e.chunk, e.n_chunks, label=f"eval {e.model}"))
     finally:
         bar.close()
+    _print_result(result)
+    return 0
+
+
+def _kv_eval(args: argparse.Namespace, kv_k: str, kv_v: str) -> int:
+    from edgeinfer.evaluate import evaluate_kv
+
+    bar = ProgressBar("eval", None)
+    ctx = args.ctx or 4096
+    try:
+        result = evaluate_kv(args.model, kv_k, kv_v, text=_read_text(args.text), ctx=ctx, chunks=args.chunks,
+                             scored=args.scored or min(512, ctx // 2), n_threads=args.threads,
+                             on_progress=lambda e: bar.update(e.chunk, e.n_chunks, label=f"eval KV {kv_k}/{kv_v}"))
+    finally:
+        bar.close()
+    print(f"KV cache   {result.kv_types} (K/V) vs f16/f16, same weights")
+    _print_result(result)
+    return 0
+
+
+def _print_result(result) -> None:  # noqa: ANN001 - an edgeinfer.evaluate.EvalResult
     print(f"model      {result.model}")
     print(f"reference  {result.reference or '- (none: PPL only; give --reference)'}")
     print(f"scored     {result.positions} tokens in {result.chunks} chunks of {result.ctx}")
@@ -73,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"same top   {result.same_top * 100:.2f} %")
         print(f"Δp         {result.delta_p * 100:+.3f} %   (RMS {result.rms_delta_p * 100:.3f} %)")
     print(f"time       {result.seconds:.1f}s")
-    return 0
 
 
 def _ladder(args: argparse.Namespace) -> int:
@@ -85,6 +127,7 @@ def _ladder(args: argparse.Namespace) -> int:
     from edgeinfer.store import Store
 
     store = Store()
+    ctx = args.ctx or 512
     members = ladder(args.ladder, store=store)
     reference = args.reference
     if reference is None:
@@ -95,14 +138,14 @@ def _ladder(args: argparse.Namespace) -> int:
 
     def current(m) -> bool:  # noqa: ANN001
         ev = m.metrics.get("eval") or {}
-        return (not args.force and ev.get("text_sha256") == sha and ev.get("ctx") == args.ctx
+        return (not args.force and ev.get("text_sha256") == sha and ev.get("ctx") == ctx
                 and ev.get("reference") == reference and (args.chunks is None or ev.get("chunks") == args.chunks))
 
     todo = [m.ref for m in members if not current(m) and m.ref != reference]
     if todo:
         bar = ProgressBar("eval", None)
         try:
-            evaluate_many(todo, reference, text=text, ctx=args.ctx, chunks=args.chunks, store=store,
+            evaluate_many(todo, reference, text=text, ctx=ctx, chunks=args.chunks, store=store,
                           n_threads=args.threads,
                           on_progress=lambda e: bar.update((e.model_index - 1) * e.n_chunks + e.chunk,
                                                            e.n_models * e.n_chunks, label=f"eval {e.model}"))
@@ -132,6 +175,6 @@ def _ladder(args: argparse.Namespace) -> int:
             _fmt(ev.get("same_top"), ".2f", 100.0),
             _fmt(bench.get("decode_tok_s"), ".1f"),
         ])
-    print(f"ladder {args.ladder}, reference {reference or '-'}, ctx {args.ctx}")
+    print(f"ladder {args.ladder}, reference {reference or '-'}, ctx {ctx}")
     print_table(rows, ["type", "bits/weight", "size", "PPL", "PPL ratio", "KLD", "same-top %", "decode tok/s"])
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import common_options, format_bytes, print_table
+from ._common import INT32_MAX, ctx_type, add_kv_options, common_options, format_bytes, int_range, kv_options, print_table
 
 __all__ = ["register"]
 
@@ -15,12 +15,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         parents=[common_options()],
         help="memory a model needs (weights + KV cache + compute) vs the RAM available",
         description="Estimate the memory to run MODEL with a context of --ctx tokens: weights, KV cache "
-        "(layers × ctx × kv heads × head dim × 2 × bytes of --kv-type) and llama.cpp's compute buffers, "
-        "against MemAvailable. Exit code 0 when it fits, 1 when it does not.",
+        "(layers × ctx × kv heads × head dim × bytes of the K and V types, block overhead included; the bytes "
+        "of every KV type are listed too) and llama.cpp's compute buffers, against MemAvailable. Exit code 0 "
+        "when it fits, 1 when it does not.",
     )
     p.add_argument("model", nargs="?", help="store name or .gguf path (default: the default model)")
-    p.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
-    p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
+    add_kv_options(p)
     p.set_defaults(func=run_fit)
 
     r = sub.add_parser(
@@ -32,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "`edgeinfer eval --ladder NAME` first.",
     )
     r.add_argument("name", help="store model name (all its tags form the ladder)")
-    r.add_argument("--ctx", type=int, help="context size in tokens (default: min(model's, 4096))")
-    r.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    r.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
+    add_kv_options(r)
     r.add_argument("--min-quality", type=float, metavar="KLD", help="largest acceptable mean KL divergence")
     r.set_defaults(func=run_recommend)
 
@@ -41,12 +42,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_fit(args: argparse.Namespace) -> int:
     from edgeinfer.fit import fit
 
-    rep = fit(args.model, args.ctx, args.kv_type)
+    rep = fit(args.model, args.ctx, **kv_options(args))
     e = rep.estimate
     print(f"model       {rep.model}")
     print(f"weights     {format_bytes(e.weights)}")
     print(f"KV cache    {format_bytes(e.kv_cache)}  ({e.n_layer} layers × {e.n_ctx} ctx × {e.n_head_kv} kv heads × "
-          f"{e.head_dim} × 2 × {e.kv_type})")
+          f"{e.head_dim} × (K + V) × {e.kv_type})")
+    by_type = "  ".join(f"{name} {format_bytes(b)}" for name, b in rep.kv_by_type.items())
+    print(f"KV by type  {by_type}")
     print(f"compute     {format_bytes(e.compute)}  (estimate)")
     print(f"total       {format_bytes(e.total)}")
     print(f"available   {format_bytes(rep.available)}")
@@ -57,7 +60,7 @@ def run_fit(args: argparse.Namespace) -> int:
 def run_recommend(args: argparse.Namespace) -> int:
     from edgeinfer.fit import recommend
 
-    rec = recommend(args.name, args.ctx, args.kv_type, min_quality=args.min_quality)
+    rec = recommend(args.name, args.ctx, min_quality=args.min_quality, **kv_options(args))
     rows = []
     for c in rec.candidates:
         rows.append([
