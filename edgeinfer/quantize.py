@@ -433,7 +433,7 @@ def quantize_model(
                       f"the {qtype} copy of {src_ref}")
 
     request: dict[str, Any] = {
-        "source": str(src_path), "nthread": nthread, "ftype": QUANT_TYPES[qtype][0],
+        "parent_pid": os.getpid(), "source": str(src_path), "nthread": nthread, "ftype": QUANT_TYPES[qtype][0],
         "allow_requantize": bool(allow_requantize or (quantized_src and dequantize)),
         "output_tensor_type": _ggml_type_id(out_t) if out_t else None,
         "token_embedding_type": _ggml_type_id(emb_t) if emb_t else None,

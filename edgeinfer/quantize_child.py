@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import signal
 import sys
 from typing import Any
 
 __all__ = ["quantize", "main"]
+
+_PR_SET_PDEATHSIG = 1
 
 # fields of llama_model_quantize_params this script sets; checked against the struct, because
 # ctypes silently accepts an assignment to a field the struct does not declare
@@ -85,9 +89,23 @@ def quantize(request: dict[str, Any]) -> int:
     return rc
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """A parent killed outright (SIGKILL: no chance to kill us) must not leave us quantizing into
+    a partial file that then looks alive to `gc`: ask Linux for SIGKILL when the parent goes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent's cancel/Ctrl-C paths still kill us
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
 def main() -> int:
     try:
-        return quantize(json.load(sys.stdin))
+        request = json.load(sys.stdin)
+        _die_with_parent(int(request["parent_pid"]))
+        return quantize(request)
     except Exception as e:  # noqa: BLE001 - any failure reaches the parent as one line
         print(f"\nedgeinfer-quantize: error: {type(e).__name__}: {e}", flush=True)
         return 3
