@@ -2,27 +2,38 @@
 
 Timing speculative decoding on a shared 2-core machine moves ±10 % between runs, more than most
 policy changes are worth. This benchmark separates the two: it records each workload's plain greedy
-output once, measures the model's decode cost curve (time of a b-token decode / one-token decode)
-once, and then replays the lookup drafter step by step on the recorded tokens — every draft is
-judged against what the target really produced, every step costs what the curve says. Printed per
-workload: the replayed speed-up of the shipped policy and two bounds for the same drafts:
-"first-token oracle" skips exactly the steps whose first draft token would be rejected, "length
-oracle" drafts exactly as many tokens as will be accepted. The gap between policy and oracles is
-what better acceptance prediction could still buy; the rest is the drafts themselves.
+output once, measures the model's decode cost curve (time of a b-token decode / one-token decode,
+every b, at the prompt's depth) once, and then replays the lookup drafter step by step on the
+recorded tokens — every draft is judged against what the target really produced, every step costs
+what the curve says. Printed per workload: the replayed speed-up of the shipped policy and bounds
+for the same drafts: "first-token oracle" skips exactly the steps whose first draft token would be
+rejected, "length oracle" drafts exactly as many tokens as will be accepted; "curve bound" is the
+best fixed draft length under the curve at the acceptance the drafts really had (what issue 11
+calls the ceiling). Then where the policy's steps went: how many drafted nothing because lookup
+found no match and how many because the policy chose a plain step, and the draft lengths used.
+
+The policy sees the costs the engine would give it (`--belief`): "true" (the measured curve),
+"calibrated" (the engine's own start-of-request calibration, as the engine would persist it) or
+"prior" (whatever the engine's cost model starts from without measuring). The replay always
+charges the measured curve, so the gap between beliefs is what a wrong curve costs.
 
 Also replays sampled text (temperature 0.9), where lookup has little to copy: the policy must stay
 within a few percent of plain there.
 
-    .venv/bin/python benchmarks/replay_speculation.py [--tokens 384] [--quants F16,Q8_0]
+    .venv/bin/python -m benchmarks.replay_speculation [--tokens 384] [--quants F16,Q8_0]
+    .venv/bin/python -m benchmarks.replay_speculation --pair [--tokens 256] [--belief true,calibrated]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.bench_speculative import make_models, workloads
@@ -32,7 +43,8 @@ SAMPLED = {"sampled story": "Write a short story about a lighthouse keeper and a
 
 
 def cost_curve(engine, prompt: list[int], reps: int = 5, max_b: int = 33) -> dict[int, float]:
-    """Median time of a b-token decode (logits for every row) over one-token decode, every b."""
+    """Median time in seconds of a b-token decode (logits for every row) after `prompt`, every b,
+    sizes alternating within each repetition so that load affects them alike."""
     rt = engine._runtime
     engine.reset()
     rt.decode_all(prompt)
@@ -44,19 +56,72 @@ def cost_curve(engine, prompt: list[int], reps: int = 5, max_b: int = 33) -> dic
             rt.decode([prompt[i % len(prompt)] for i in range(b)], logits_from=0)
             times.setdefault(b, []).append(time.perf_counter() - t0)
             rt.truncate(base)
-    t1 = statistics.median(times[1])
-    return {b: statistics.median(v) / t1 for b, v in times.items()}
+    return {b: statistics.median(v) for b, v in times.items()}
 
 
-def replay(prompt: list[int], output: list[int], curve: dict[int, float], oracle: str | None = None) -> float:
-    """Replayed speed-up of lookup over plain decoding of `output` (its first token comes from
-    the prompt's logits, as in the engine)."""
+def parse_curve(text: str) -> dict[int, float]:
+    """'1:16.2,2:21.5,4:28.2' (batch size: tokens/s, as llama-bench prints) -> seconds for every b
+    from 1 to the largest, linear in between."""
+    tok_s = {int(b): float(v) for b, v in (item.split(":") for item in text.split(","))}
+    known = {b: b / v for b, v in tok_s.items()}
+    sizes = sorted(known)
+    out = {}
+    for b in range(1, sizes[-1] + 1):
+        lo = max(s for s in sizes if s <= b)
+        hi = min(s for s in sizes if s >= b)
+        w = 0.0 if hi == lo else (b - lo) / (hi - lo)
+        out[b] = known[lo] * (1 - w) + known[hi] * w
+    return out
+
+
+def ratios(curve: dict[int, float]) -> dict[int, float]:
+    return {b: t / curve[1] for b, t in curve.items()}
+
+
+def curve_bound(curve: dict[int, float], acceptance: float, k_max: int = 32) -> tuple[float, int]:
+    """(speed-up, k): the best fixed draft length when every drafted token is accepted with
+    probability `acceptance` independently, under the measured curve."""
+    r = ratios(curve)
+    best, best_k = 1.0, 0
+    for k in range(1, min(k_max, max(r) - 1) + 1):
+        e = sum(acceptance**i for i in range(k + 1))
+        if e / r[k + 1] > best:
+            best, best_k = e / r[k + 1], k
+    return best, best_k
+
+
+@dataclass
+class Replay:
+    speedup: float = 0.0
+    steps: int = 0
+    no_match: int = 0  # lookup found nothing to draft
+    declined: int = 0  # a draft was there, the policy chose a plain step
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0  # drafting steps that ended in a rejection
+    lengths: Counter = field(default_factory=Counter)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-position acceptance (each drafted token accepted independently): accepted tokens
+        over accepted tokens plus rejections, unbiased by how long the drafts were."""
+        return self.accepted / (self.accepted + self.rejected) if self.accepted + self.rejected else 0.0
+
+    def summary(self) -> str:
+        top = ",".join(f"{k}:{n}" for k, n in sorted(self.lengths.items()))
+        return (f"{self.steps:4d} steps, {self.no_match:3d} no match, {self.declined:3d} declined, "
+                f"accepted {self.accepted}/{self.drafted}, k {top}")
+
+
+def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief, oracle: str | None = None) -> Replay:
+    """Replay lookup over `output` (its first token comes from the prompt's logits, as in the
+    engine); `belief()` makes the cost model the policy starts from."""
     from edgeinfer import SpeculationOptions
-    from edgeinfer.engine.speculation import CostModel, LengthPolicy, LookupDrafter
+    from edgeinfer.engine.speculation import LengthPolicy, LookupDrafter
 
-    seconds = {b: curve[b] for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33) if b in curve}
-    drafter = LookupDrafter(LengthPolicy(CostModel(seconds), SpeculationOptions(method="lookup")))
+    drafter = LookupDrafter(LengthPolicy(belief(), SpeculationOptions(method="lookup")))
     drafter.start(prompt)
+    out = Replay()
     i, spent = 1, 0.0
     while i < len(output):
         history = prompt + output[:i]
@@ -68,49 +133,176 @@ def replay(prompt: list[int], output: list[int], curve: dict[int, float], oracle
             draft = []
         elif oracle == "length":
             draft = draft[:ok]
-        cost = curve[min(len(draft) + 1, max(curve))]
-        spent += cost
-        drafter.observe(history + output[i : i + ok], len(draft), min(ok, len(draft)), cost, 0.0)
-        i += min(ok, len(draft)) + 1
-    return (len(output) - 1) / spent
+        if not draft:
+            if drafter.index.lookup(1)[0]:
+                out.declined += 1
+            else:
+                out.no_match += 1
+        seconds = curve[min(len(draft) + 1, max(curve))]
+        spent += seconds
+        out.steps += 1
+        out.lengths[len(draft)] += 1
+        out.drafted += len(draft)
+        out.accepted += ok
+        out.rejected += ok < len(draft)
+        drafter.observe(history + output[i : i + ok], len(draft), ok, seconds, 0.0)
+        i += ok + 1
+    out.speedup = (len(output) - 1) * curve[1] / spent
+    return out
+
+
+def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str]):
+    """name -> a function making the cost model the policy starts from."""
+    from edgeinfer.engine.speculation import CostModel, calibrate_costs
+
+    made = {}
+    for name in names:
+        if name == "true":
+            made[name] = lambda: CostModel(dict(curve))
+        elif name == "calibrated":
+            engine.reset()
+            engine._runtime.decode_all(prompt)
+            seconds = calibrate_costs(engine._runtime, prompt[-64:]).to_dict()
+            made[name] = lambda s=seconds: CostModel.from_dict(s)
+        elif name == "prior":
+            made[name] = lambda: engine.speculation_prior()  # noqa: B023 (the engine's own starting point)
+        else:
+            raise SystemExit(f"unknown belief {name!r}: true, calibrated or prior")
+    return made
+
+
+def pair_workloads() -> dict[str, tuple[list[dict[str, str]], str]]:
+    """The issue's workloads on the real pair: the code edit and two free-form prompts."""
+    loads = workloads()
+    return {
+        "code edit": loads["code edit"],
+        "coding question": ([{"role": "user", "content": "Write a Python function that parses an ISO 8601 "
+                              "duration like P3DT4H12M into seconds, with a docstring and three doctests."}], ""),
+        "story": loads["free chat"],
+    }
+
+
+def recorded_output(engine, prompt: list[int], sampling, tokens: int, record: Path | None) -> list[int]:
+    """The plain output for `prompt`, generated once and kept in `record` (a JSON file) if given."""
+    import edgeinfer
+
+    key = f"{engine.path.name}|{tokens}|{sampling.temperature}|{sampling.seed}|{hash(tuple(prompt))}"
+    known = json.loads(record.read_text()) if record and record.exists() else {}
+    if key not in known:
+        engine.reset()
+        opts = edgeinfer.GenerateOptions(max_tokens=tokens, sampling=sampling,
+                                         speculation=edgeinfer.SpeculationOptions(method="off"))
+        known[key] = engine.generate(prompt, opts).result().tokens
+        if record:
+            record.write_text(json.dumps(known))
+    return known[key]
+
+
+def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled: bool = True,
+        fixed_curve: dict[int, float] | None = None, record: Path | None = None) -> list[dict]:
+    import edgeinfer
+
+    prompts: dict[str, tuple[list[int], edgeinfer.SamplingOptions]] = {}
+    for name, (messages, reply_start) in loads.items():
+        prompts[name] = (engine.tokenize(engine.render_chat(messages) + reply_start, add_special=False,
+                                         parse_special=True), edgeinfer.SamplingOptions(temperature=0.0))
+    if sampled:
+        for name, text in SAMPLED.items():
+            prompts[name] = (engine.tokenize(engine.render_chat([{"role": "user", "content": text}]),
+                                             add_special=False, parse_special=True),
+                             edgeinfer.SamplingOptions(temperature=0.9, top_p=0.95, seed=7))
+    rows = []
+    curves: dict[int, dict[int, float]] = {}
+    for name, (prompt, sampling) in prompts.items():
+        # The curve moves with context depth: measure it at this prompt's depth (rounded, cached).
+        depth = round(len(prompt), -2)
+        if fixed_curve is not None:
+            curves[depth] = fixed_curve
+        elif depth not in curves:
+            curves[depth] = cost_curve(engine, prompt)
+        curve = curves[depth]
+        output = recorded_output(engine, prompt, sampling, tokens, record)
+        beliefs = _beliefs(engine, prompt, curve, belief_names)
+        for bname, belief in beliefs.items():
+            pol = replay(prompt, output, curve, belief)
+            first = replay(prompt, output, curve, belief, "first")
+            length = replay(prompt, output, curve, belief, "length")
+            acc = pol.acceptance
+            bound, bound_k = curve_bound(curve, acc)
+            rows.append({"model": label, "workload": name, "belief": bname, "depth": len(prompt),
+                         "policy": round(pol.speedup, 3), "first_oracle": round(first.speedup, 3),
+                         "length_oracle": round(length.speedup, 3), "curve_bound": round(bound, 3),
+                         "bound_k": bound_k, "acceptance": round(acc, 3), "steps": pol.summary(),
+                         "curve": {b: round(r, 2) for b, r in ratios(curve).items()}})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'model':6} {'workload':16} {'belief':10} {'depth':>5} {'policy':>6} {'1st-or':>6} {'len-or':>6} "
+          f"{'bound':>6} {'k*':>3} {'accept':>6}  steps")
+    for r in rows:
+        print(f"{r['model']:6} {r['workload']:16} {r['belief']:10} {r['depth']:5d} {r['policy']:6.2f} "
+              f"{r['first_oracle']:6.2f} {r['length_oracle']:6.2f} {r['curve_bound']:6.2f} {r['bound_k']:3d} "
+              f"{r['acceptance']:6.2f}  {r['steps']}")
+    seen = set()
+    for r in rows:
+        key = (r["model"], r["depth"])
+        if key not in seen:
+            seen.add(key)
+            c = r["curve"]
+            print(f"curve {r['model']} at depth {r['depth']}: " + " ".join(f"{b}:{c[b]:.2f}" for b in sorted(c)))
+
+
+def _subset(loads: dict, names: str) -> dict:
+    keep = {n.strip() for n in names.split(",") if n.strip()}
+    return {k: v for k, v in loads.items() if not keep or k in keep}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=384)
-    ap.add_argument("--quants", default="F16,Q8_0")
+    ap.add_argument("--quants", default="F16,Q8_0", help="copies of the default model to replay on")
+    ap.add_argument("--pair", action="store_true", help="replay on the real Qwen2.5-Coder-1.5B target instead")
+    ap.add_argument("--belief", default="true", help="comma-separated: true, calibrated, prior")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--curve", help="charge this curve instead of measuring one, e.g. llama-bench's "
+                    "'1:16.2,2:21.5,4:28.2,8:24.4,16:28.6,32:30.0' (batch size: tok/s)")
+    ap.add_argument("--record", type=Path, help="JSON file keeping the recorded outputs between runs")
+    ap.add_argument("--workloads", default="", help="comma-separated subset")
+    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    fixed = parse_curve(args.curve) if args.curve else None
 
     import edgeinfer
 
+    beliefs = [b.strip() for b in args.belief.split(",")]
+    print(f"lookup replayed on recorded outputs ({args.tokens} tokens), {args.threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f} at start")
     tmp = tempfile.TemporaryDirectory(prefix="edgeinfer-replay-")
     store = edgeinfer.Store(Path(tmp.name))
-    quants = [q.strip().upper() for q in args.quants.split(",")]
-    refs = make_models(store, quants)
-    print(f"lookup replayed on recorded outputs ({args.tokens} tokens), cost curve measured on this machine")
-    print(f"{'model':5} {'workload':14} {'policy':>7} {'first-token oracle':>19} {'length oracle':>14}  curve b=2,3,5,9,17")
-    for quant in quants:
-        engine = edgeinfer.load(refs[quant], n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
-        loads: dict[str, tuple[list[int], edgeinfer.SamplingOptions]] = {}
-        for name, (messages, reply_start) in workloads().items():
-            loads[name] = (engine.tokenize(engine.render_chat(messages) + reply_start, add_special=False,
-                                           parse_special=True), edgeinfer.SamplingOptions(temperature=0.0))
-        for name, text in SAMPLED.items():
-            loads[name] = (engine.tokenize(engine.render_chat([{"role": "user", "content": text}]),
-                                           add_special=False, parse_special=True),
-                           edgeinfer.SamplingOptions(temperature=0.9, top_p=0.95, seed=7))
-        curve = cost_curve(engine, loads["code edit"][0])
-        shape = ",".join(f"{curve[b]:.2f}" for b in (2, 3, 5, 9, 17))
-        for name, (prompt, sampling) in loads.items():
-            engine.reset()
-            opts = edgeinfer.GenerateOptions(max_tokens=args.tokens, sampling=sampling,
-                                             speculation=edgeinfer.SpeculationOptions(method="off"))
-            output = engine.generate(prompt, opts).result().tokens
-            run: Callable[[str | None], float] = lambda o: replay(prompt, output, curve, o)  # noqa: E731
-            print(f"{quant:5} {name:14} {run(None):7.2f} {run('first'):19.2f} {run('length'):14.2f}  {shape}")
+    rows: list[dict] = []
+    if args.pair:
+        from tests.real_models import qwen_pair
+
+        target, _ = qwen_pair()
+        engine = edgeinfer.load(str(target), n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
+        rows += run(engine, _subset(pair_workloads(), args.workloads), args.tokens, beliefs, "1.5B",
+                    sampled=not args.workloads, fixed_curve=fixed, record=args.record)
         engine.close()
+    else:
+        quants = [q.strip().upper() for q in args.quants.split(",")]
+        refs = make_models(store, quants)
+        for quant in quants:
+            engine = edgeinfer.load(refs[quant], n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
+            rows += run(engine, _subset(workloads(), args.workloads), args.tokens, beliefs, quant,
+                        sampled=not args.workloads, fixed_curve=fixed, record=args.record)
+            engine.close()
     tmp.cleanup()
+    print(f"load average {os.getloadavg()[0]:.1f} at end")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_rows(rows)
 
 
 if __name__ == "__main__":

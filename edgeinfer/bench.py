@@ -5,10 +5,20 @@ bounded by (memory read bandwidth) ÷ (bytes streamed per token). The bandwidth 
 with numpy (the best of several sums over an array much larger than the caches); the bytes per
 token are all tensor bytes except the token-embedding table, of which one row is read — unless the
 model ties its output projection to it, in which case the whole table is streamed for the logits.
+
+With `speculation=True` it also measures what speculative decoding plans with: the cost of
+verifying b tokens in one decode at two context depths (kept in the store for this model, thread
+count and KV type, so no request pays for measuring it), the speed-up ceiling that curve allows,
+and what a draft model's token may cost for drafting to pay.
+
+Figures taken on a busy machine are not facts about the model: the 1-minute load average is
+recorded before and after, and when other work held the cores our threads needed, nothing is
+saved unless asked (then it is saved marked `busy`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,7 +32,12 @@ from .gguf_file import GGUFInfo, read_gguf
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["BenchProgress", "BenchResult", "measure_bandwidth", "bytes_per_token", "bench", "bench_many"]
+__all__ = ["BenchProgress", "BenchResult", "MachineLoad", "SpeculationCosts", "measure_bandwidth", "bytes_per_token",
+           "bench", "bench_many"]
+
+# Acceptance rates the draft-model table is given for; the depths the cost curve is measured at.
+_ACCEPTANCES = (0.6, 0.7, 0.8, 0.9, 0.95)
+_COST_DEPTHS = (64, 1024)
 
 _bandwidth_cache: dict[int, float] = {}
 
@@ -33,6 +48,48 @@ class BenchProgress:
     phase: str  # "bandwidth" | "load" | "prefill+decode"
     model_index: int
     n_models: int
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """The machine's 1-minute load average around a measurement."""
+
+    before: float
+    after: float
+    cpus: int
+    threads: int
+
+    @staticmethod
+    def now() -> float:
+        return os.getloadavg()[0]
+
+    @property
+    def busy(self) -> bool:
+        """Other work wanted the cores our threads needed: more runnable processes than the cores
+        our threads leave free (after the run, our own threads are part of the average)."""
+        others = max(self.before, self.after - self.threads)
+        return others > max(0, self.cpus - self.threads) + 0.75
+
+
+@dataclass(frozen=True)
+class SpeculationCosts:
+    """What speculative decoding plans with, measured: the cost of a b-token decode in one-token
+    steps at each depth, attention's share, the best speed-up at a per-token acceptance (and its
+    draft length), and the most a draft model's token may cost to pay at each acceptance."""
+
+    cost: dict[int, dict[int, float]]  # depth -> b -> ratio
+    attention: float
+    ceiling: dict[float, tuple[float, int]]  # acceptance -> (speed-up, k) at the deeper depth
+    draft_break_even: dict[float, float]  # acceptance -> max cost of a drafted token, in target steps
+
+    def draft_verdict(self, draft_cost: float) -> str:
+        """'pays above acceptance A' or 'cannot pay', for a drafted token costing `draft_cost` steps."""
+        for a in sorted(self.draft_break_even):
+            if self.draft_break_even[a] > draft_cost:
+                return f"pays above acceptance {a:g} (a drafted token costs {draft_cost:.2f} steps)"
+        top = max(self.draft_break_even)
+        return (f"cannot pay: a drafted token costs {draft_cost:.2f} steps, even at acceptance {top:g} it must "
+                f"cost < {self.draft_break_even[top]:.2f}")
 
 
 @dataclass(frozen=True)
@@ -48,10 +105,13 @@ class BenchResult:
     roofline_fraction: float  # decode_tok_s / roofline_tok_s
     n_threads: int
     repeats: int
+    load: MachineLoad | None = None
+    speculation: SpeculationCosts | None = None
 
     def to_metrics(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("model")
+        d["busy"] = bool(self.load and self.load.busy)
         return d
 
 
@@ -97,9 +157,13 @@ def bench(
     n_threads: int | None = None,
     store: Store | None = None,
     save: bool = True,
+    save_busy: bool = False,
+    speculation: bool = False,
     bandwidth: float | None = None,
 ) -> BenchResult:
-    """Prefill and decode tok/s at batch 1 (best of `repeats`), greedy, through the engine."""
+    """Prefill and decode tok/s at batch 1 (best of `repeats`), greedy, through the engine; with
+    `speculation`, the batch cost curve too. Saved in the store unless the machine was busy
+    (`save_busy` saves anyway, marked)."""
     from .engine import load
     from .engine.options import GenerateOptions, LoadOptions, SamplingOptions
     from .store import Store
@@ -108,9 +172,13 @@ def bench(
     path, manifest = store.resolve(model)
     info = read_gguf(path)
     bw = bandwidth or measure_bandwidth()
-    options = LoadOptions(n_ctx=max(512, prompt_tokens + decode_tokens + 16), n_threads=n_threads)
+    n_ctx = max(512, prompt_tokens + decode_tokens + 16, max(_COST_DEPTHS) + 64 if speculation else 0)
+    options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads)
     best_prefill = best_decode = 0.0
     generated = 0
+    spec_costs = None
+    threads = options.threads
+    load_before = MachineLoad.now()
     with load(model=manifest.ref if manifest else str(path), options=options) as engine:
         prompt = _prompt_tokens(engine, prompt_tokens)
         gen_options = GenerateOptions(max_tokens=decode_tokens, sampling=SamplingOptions(temperature=0.0))
@@ -119,7 +187,13 @@ def bench(
             best_prefill = max(best_prefill, done.stats.prefill_tok_s or 0.0)
             best_decode = max(best_decode, done.stats.decode_tok_s or 0.0)
             generated = done.stats.generated_tokens
-        threads = options.threads
+        if speculation:
+            costs = engine.measure_decode_costs(_prompt_tokens(engine, max(_COST_DEPTHS) + 64), depths=_COST_DEPTHS,
+                                                save=False)
+            spec_costs = _speculation_costs(costs)
+        machine = MachineLoad(load_before, MachineLoad.now(), os.cpu_count() or 1, threads)
+        if speculation and save and (save_busy or not machine.busy):
+            engine.save_decode_costs()
     bpt = bytes_per_token(info)
     roof = bw / bpt if bpt else 0.0
     result = BenchResult(
@@ -134,10 +208,29 @@ def bench(
         roofline_fraction=best_decode / roof if roof else 0.0,
         n_threads=threads,
         repeats=max(1, repeats),
+        load=machine,
+        speculation=spec_costs,
     )
-    if save and manifest is not None:
+    if save and manifest is not None and (save_busy or not machine.busy):
         store.update_metrics(manifest.ref, "bench", result.to_metrics())
     return result
+
+
+def _speculation_costs(costs: Any) -> SpeculationCosts:
+    from .engine.speculation import break_even_draft_cost
+
+    deep = max(_COST_DEPTHS)
+    sizes = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+    ratio = {d: {b: round(costs.ratio(b, d), 3) for b in sizes} for d in _COST_DEPTHS}
+    ceiling = {}
+    for a in _ACCEPTANCES + (0.97,):
+        best = (1.0, 0)
+        for k in range(1, 33):
+            gain = sum(a**i for i in range(k + 1)) / costs.ratio(k + 1, deep)
+            best = max(best, (round(gain, 3), k))
+        ceiling[a] = best
+    even = {a: round(break_even_draft_cost(costs, a, depth=deep), 3) for a in _ACCEPTANCES}
+    return SpeculationCosts(cost=ratio, attention=costs.attention, ceiling=ceiling, draft_break_even=even)
 
 
 def bench_many(

@@ -26,6 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int_range(1, INT32_MAX), default=64, help="tokens to decode (default 64)")
     p.add_argument("--repeats", type=int_range(1, 1000), default=2, help="runs per model, best kept (default 2)")
     p.add_argument("--threads", type=threads_type, help="threads (default: all cores)")
+    p.add_argument("--speculation", action="store_true",
+                   help="also measure the batch cost curve speculative decoding plans with (two context depths), "
+                   "the speed-up ceiling it allows and what a draft model's token may cost; kept in the store")
+    p.add_argument("--draft", metavar="MODEL", help="with --speculation: say whether this draft model can pay "
+                   "(its decode speed is measured too)")
+    p.add_argument("--save-busy", action="store_true",
+                   help="save figures even when the machine was busy (they are marked busy)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
 
@@ -34,16 +41,44 @@ def run(args: argparse.Namespace) -> int:
     from edgeinfer.bench import bench_many
 
     models = args.models or [None]
-    results = bench_many(models, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                         repeats=args.repeats, n_threads=args.threads,
-                         on_progress=None if args.json else
-                         (lambda e: print(f"… {e.phase} {e.model}".rstrip(), file=sys.stderr, flush=True)))
+    progress = None if args.json else (lambda e: print(f"… {e.phase} {e.model}".rstrip(), file=sys.stderr, flush=True))
+    common = dict(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                  n_threads=args.threads, save_busy=args.save_busy)
+    results = bench_many(models, speculation=args.speculation, on_progress=progress, **common)
+    draft = bench_many([args.draft], on_progress=progress, **common)[0] if args.draft and args.speculation else None
     if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
+        out = [asdict(r) | {"busy": bool(r.load and r.load.busy)} for r in results]
+        if draft is not None:
+            out.append(asdict(draft) | {"role": "draft"})
+        print(json.dumps(out, indent=2))
         return 0
     bw = results[0].bandwidth_bytes_s if results else 0.0
     rows = [[r.model, f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.1f}", format_bytes(r.bytes_per_token),
              f"{r.roofline_tok_s:.1f}", f"{r.roofline_fraction * 100:.0f}%"] for r in results]
     print_table(rows, ["model", "prefill tok/s", "decode tok/s", "bytes/token", "roofline tok/s", "of roofline"])
     print(f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s (numpy, best of 5); {results[0].n_threads} threads")
+    for r in results:
+        _print_speculation(r, draft)
+        if r.load is not None:
+            note = "" if not r.load.busy else (" — BUSY: other work held the cores; figures not saved"
+                                               if not args.save_busy else " — BUSY: saved, marked busy")
+            print(f"load average {r.load.before:.2f} before, {r.load.after:.2f} after ({r.load.cpus} CPUs){note}")
     return 0
+
+
+def _print_speculation(r, draft) -> None:
+    s = r.speculation
+    if s is None:
+        return
+    print(f"\n{r.model}: a b-token decode in one-token steps (verifying b − 1 drafted tokens)")
+    sizes = list(next(iter(s.cost.values())))
+    print_table([[f"depth {d}"] + [f"{c[b]:.2f}" for b in sizes] for d, c in s.cost.items()],
+                ["b"] + [str(b) for b in sizes])
+    deep = max(s.cost)
+    print(f"ceiling at depth {deep}: " + ", ".join(f"{g:.2f}× at acceptance {a:g} (k={k})"
+                                                  for a, (g, k) in s.ceiling.items()))
+    print("a draft model pays when its token costs less than: "
+          + ", ".join(f"{c:.2f} steps above acceptance {a:g}" for a, c in s.draft_break_even.items()))
+    if draft is not None and draft.decode_tok_s > 0:
+        cost = r.decode_tok_s / draft.decode_tok_s
+        print(f"draft {draft.model}: {s.draft_verdict(cost)}")

@@ -31,7 +31,7 @@ from .generation import Drafter, Generation
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
 from .slot import RequestSlot
-from .speculation import CostModel, SpeculationContext, calibrate_costs, make_drafter
+from .speculation import CostModel, SpeculationContext, make_drafter, measure_costs
 
 __all__ = ["Engine", "Generation", "load"]
 
@@ -296,26 +296,48 @@ class Engine:
                 raise InvalidOptionError(f"each chat message must be a dict, got {type(m).__name__}")
         return msgs
 
+    def _decode_cost_key(self) -> str:
+        o = self.options
+        return (f"v3|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}"
+                f"|{'/'.join(o.kv_types)}|fa{o.flash_attn}")
+
     def _decode_costs(self, prompt: Sequence[int]) -> CostModel:
-        """Measured decode times by batch size for this model on this machine: calibrated once
-        and remembered in the store's cache, then tracked online by the policy."""
+        """Decode times by batch size and depth for this model on this machine: what `edgeinfer
+        bench` measured (kept in the store's cache), else a prior from the model's size. Either
+        way the policy then learns from the steps it takes, so no request pays for measuring."""
         if self._costs is not None:
             return self._costs
-        o = self.options
-        key = f"v2|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}|{'/'.join(o.kv_types)}|fa{o.flash_attn}"
-        known = self.store.read_cache("decode-costs", key)
+        known = self.store.read_cache("decode-costs", self._decode_cost_key())
         if isinstance(known, dict):
             try:
                 self._costs = CostModel.from_dict(known)
             except (ValueError, TypeError, ZeroDivisionError):
                 log.debug("ignoring an unusable decode-cost entry for %s", self.name)
         if self._costs is None:
-            self._costs = calibrate_costs(self._runtime, prompt[-64:])
-            try:
-                self.store.write_cache("decode-costs", key, self._costs.to_dict())
-            except OSError as e:  # a read-only store only costs a re-calibration next time
-                log.debug("decode costs not remembered: %s", e)
+            f = self._runtime.facts
+            self._costs = CostModel.prior(f.size_bytes, f.n_layer, f.n_embd)
         return self._costs
+
+    def measure_decode_costs(self, tokens: Sequence[int], *, depths: Sequence[int] = (64, 1024), reps: int = 3,
+                             save: bool = True) -> CostModel:
+        """Measure the batch cost curve at two context depths (what speculation's policy plans
+        with) and use it from now on; `save` keeps it in the store for this model, thread count
+        and KV type (see save_decode_costs). Clears the cache. `tokens`: any text's tokens to
+        fill the context with."""
+        with self._slot.hold():
+            self._costs = measure_costs(self._runtime, tokens, depths, reps)
+        if save:
+            self.save_decode_costs()
+        return self._costs
+
+    def save_decode_costs(self) -> None:
+        """Keep the measured cost curve in the store (a prior is never kept: it is no fact)."""
+        if self._costs is None or self._costs.is_prior:
+            return
+        try:
+            self.store.write_cache("decode-costs", self._decode_cost_key(), self._costs.to_dict())
+        except OSError as e:
+            log.debug("decode costs not remembered: %s", e)
 
     def reset(self) -> None:
         """Forget the cached prompt, so the next request starts from an empty KV cache (a request

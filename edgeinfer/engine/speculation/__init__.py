@@ -15,11 +15,11 @@ Nothing here reads the engine's state or makes models: the engine passes a Specu
 
 from __future__ import annotations
 
-from .calibration import calibrate_costs
+from .calibration import calibrate_costs, fit_costs, measure_costs
 from .draft_model import ModelDrafter, check_draft_compatible, relative_draft_cost
 from .drafter import AutoDrafter, RequestDrafter, SpeculationContext, make_drafter
 from .lookup import LookupDrafter, NgramIndex
-from .policy import AcceptanceModel, CostModel, LengthPolicy
+from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost
 
 __all__ = [
     "CostModel",
@@ -35,4 +35,7 @@ __all__ = [
     "check_draft_compatible",
     "relative_draft_cost",
     "calibrate_costs",
+    "measure_costs",
+    "fit_costs",
+    "break_even_draft_cost",
 ]

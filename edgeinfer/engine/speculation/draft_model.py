@@ -124,6 +124,7 @@ class ModelDrafter:
     def candidate(self, history: Sequence[int], max_len: int) -> tuple[int, float]:
         if not self.enabled:
             return 0, 1.0
+        self.policy.costs.at(len(history))
         d = self.draft_cost(self.policy.costs.time(1))
         return self.policy.choose(max_len, d)
 

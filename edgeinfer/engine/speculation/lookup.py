@@ -83,6 +83,7 @@ class LookupDrafter:
     def candidate(self, history: Sequence[int], max_len: int) -> tuple[list[int], float]:
         """The draft this step would use and its expected rate."""
         self.index.sync(history)
+        self.policy.costs.at(len(history))
         draft, n = self.index.lookup(self.policy.opts.draft_max)
         if not draft:
             return [], 1.0

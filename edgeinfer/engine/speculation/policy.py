@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..options import SpeculationOptions
 
-__all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "CALIBRATION_SIZES"]
+__all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "CALIBRATION_SIZES", "break_even_draft_cost"]
 
 # Both sides of the tile sizes where the curve jumps; other sizes are interpolated, then learned.
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
@@ -29,34 +29,75 @@ _EXPLORE_MAX = 4
 
 
 class CostModel:
-    """Time of one target decode of b tokens: t1 · ratio(b).
+    """Time of one target decode of b tokens after d tokens of context, in seconds:
 
-    The ratios are the shape of the cost curve relative to a one-token step. It is bumpy (batched
-    kernels tile rows, so on Q8_0 a 4-token batch costs less than a 3-token one), so it is measured
-    on both sides of the usual tile edges once per model and machine, interpolated between, and
-    refined by each verification of a size. t1 follows the machine's current speed from plain
-    steps: other processes come and go, and a curve whose points were measured at different times
-    would tell the policy that batches are cheaper or dearer than they are.
+        t(b, d) = t1 · (ρ(b) + α · b · d)
+
+    ρ(b) (ρ(1) = 1) is the shape of the batch curve: batched kernels tile rows, so it is bumpy
+    (on Q8_0 a 4-token batch costs less than a 3-token one). α is what attention adds per row and
+    context token, relative to t1: on a 1.5B model after 800 tokens it makes a 16-token batch
+    cost 10.7 steps instead of 7.3, so the curve must follow the depth it is used at. t1 is a
+    one-token step at depth 0; it follows the machine's current speed from plain steps (other
+    processes come and go). Each verification of b rows refines ρ(b); sizes never verified move
+    with the ones that were (a prior's guess of the curve's level is wrong for all sizes alike).
+
+    Three ways to get one: `prior(...)` from the model's size (no measuring, so the first request
+    pays nothing), `calibrate_costs` (one depth, every size), `edgeinfer bench` (two depths,
+    fitted). `CostModel({b: seconds})` takes decode times measured at `depth`.
     """
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], *, attention: float = 0.0, depth: int = 0,
+                 measured: bool = True):
         if not seconds:
             raise ValueError("a cost model needs at least one measured batch size")
-        self.t1 = seconds.get(1) or min(seconds.values())
-        self._ratio = {b: t / self.t1 for b, t in seconds.items()}
-        self._ratio[1] = 1.0
+        self.attention = max(0.0, attention)
+        self.depth = depth  # where the policy uses it (set per step with at())
+        t1 = seconds.get(1) or min(seconds.values())
+        self.t1 = t1 / (1 + self.attention * depth)
+        self._shape = {b: max(1.0, t / self.t1 - self.attention * b * depth) for b, t in seconds.items()}
+        self._shape[1] = 1.0
+        # Sizes whose shape comes from measurements (the rest are a prior's guess, interpolated).
+        self._measured = set(self._shape) if measured else {1}
+
+    @classmethod
+    def prior(cls, weight_bytes: int, n_layer: int, n_embd: int, *, slope: float = 0.45,
+              bandwidth: float = 20e9, attention_rate: float = 13e9, max_b: int = 64) -> CostModel:
+        """A guess from the model's size, good enough to start drafting: one step streams the
+        weights (t1 = bytes / bandwidth), each extra row of a batch costs `slope` steps (0.45 on
+        this 2-core CPU for 0.5B–1.5B k-quants: compute-bound by b≈4), attention does
+        4 · n_layer · n_embd FLOPs per row and context token at `attention_rate`. All of it is
+        then learned from the steps actually taken."""
+        t1 = max(weight_bytes / bandwidth, 1e-4)
+        attention = 4.0 * n_layer * n_embd / attention_rate / t1
+        shape = {b: t1 * (1.0 + slope * (b - 1)) for b in range(1, max_b + 1)}
+        return cls(shape, attention=attention, measured=False)
+
+    @property
+    def is_prior(self) -> bool:
+        """Nothing but t1 has been measured: the curve is still a guess."""
+        return self._measured <= {1}
 
     def to_dict(self) -> dict[str, float]:
-        return {str(b): self.t1 * r for b, r in sorted(self._ratio.items())}
+        """Seconds by batch size at depth 0 (and "attention"): what the store keeps."""
+        out = {str(b): self.t1 * r for b, r in sorted(self._shape.items()) if b in self._measured}
+        out["attention"] = self.attention
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> CostModel:
-        return cls({int(b): float(t) for b, t in data.items()})
+        data = dict(data)
+        attention = float(data.pop("attention", 0.0))
+        return cls({int(b): float(t) for b, t in data.items()}, attention=attention)
 
-    def ratio(self, b: int) -> float:
-        """Cost of a b-token decode in one-token decodes (interpolated between measured sizes,
-        extrapolated linearly beyond the largest)."""
-        r = self._ratio
+    def at(self, depth: int) -> CostModel:
+        """Use the curve at this context depth from now on (the drafter sets it every step)."""
+        self.depth = max(0, depth)
+        return self
+
+    def shape(self, b: int) -> float:
+        """ρ(b): a b-token decode at depth 0 in one-token decodes (interpolated between known
+        sizes, extrapolated linearly beyond the largest)."""
+        r = self._shape
         if b in r:
             return r[b]
         sizes = sorted(r)
@@ -72,20 +113,50 @@ class CostModel:
         w = (b - lo) / (hi - lo)
         return r[lo] * (1 - w) + r[hi] * w
 
-    def time(self, b: int) -> float:
-        return self.t1 * self.ratio(b)
+    def ratio(self, b: int, depth: int | None = None) -> float:
+        """Cost of a b-token decode in one-token decodes at `depth` (default: the current one)."""
+        d = self.depth if depth is None else depth
+        a = self.attention * d
+        return (self.shape(b) + a * b) / (1.0 + a)
 
-    def observe(self, b: int, seconds: float, weight: float = 0.1) -> None:
-        """Learn from one real decode: t1 from plain steps, the ratio of b from batched ones
-        (one outlier — a preempted step — moves either by at most a factor of 1.5)."""
+    def time(self, b: int, depth: int | None = None) -> float:
+        d = self.depth if depth is None else depth
+        return self.t1 * (self.shape(b) + self.attention * b * d)
+
+    def observe(self, b: int, seconds: float, weight: float = 0.1, depth: int | None = None) -> None:
+        """Learn from one real decode: t1 from plain steps, ρ(b) from batched ones (one outlier —
+        a preempted step — moves either by at most a factor of 1.5)."""
         if seconds <= 0 or b < 1:
             return
+        d = self.depth if depth is None else depth
+        a = self.attention * d
         if b == 1:
-            self.t1 = (1 - weight) * self.t1 + weight * min(seconds, 1.5 * self.t1)
+            self.t1 = (1 - weight) * self.t1 + weight * min(seconds / (1 + a), 1.5 * self.t1)
             return
-        old = self.ratio(b)
-        new = min(max(seconds / self.t1, old / 1.5), old * 1.5)
-        self._ratio[b] = (1 - 2 * weight) * old + 2 * weight * new
+        old = self.shape(b)
+        seen = max(1.0, seconds / self.t1 - a * b)
+        new = (1 - 2 * weight) * old + 2 * weight * min(max(seen, old / 1.5), old * 1.5)
+        if old > 1.0:
+            # Sizes never verified share what this one learned about the curve's level.
+            scale = (new - 1.0) / (old - 1.0)
+            for size in self._shape:
+                if size not in self._measured:
+                    self._shape[size] = 1.0 + (self._shape[size] - 1.0) * scale
+        self._shape[b] = new
+        self._measured.add(b)
+
+
+def break_even_draft_cost(costs: CostModel, acceptance: float, *, depth: int | None = None, draft_max: int = 32,
+                          margin: float = 0.03) -> float:
+    """The most a drafted token may cost (in target steps) for a drafter accepted at `acceptance`
+    per token to beat plain decoding by `margin` at some draft length: max over k of
+    (E(k) / (1 + margin) − cost(k + 1)) / k, with E(k) = 1 + a + … + a^k. 0 if none pays."""
+    best, e, p = 0.0, 1.0, 1.0
+    for k in range(1, draft_max + 1):
+        p *= acceptance
+        e += p
+        best = max(best, (e / (1 + margin) - costs.ratio(k + 1, depth)) / k)
+    return best
 
 
 @dataclass
