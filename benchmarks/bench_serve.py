@@ -10,7 +10,7 @@ within each round so machine load hits them alike; the table shows medians over 
 load average seen. The machine is shared: read ratios, not absolute numbers.
 
     .venv/bin/python benchmarks/bench_serve.py [--model PATH|REF] [--rounds 3] [--tokens 128]
-        [--concurrency 1,2,4,8] [--parallel 8] [--ctx 8192] [--threads 2] [--workload code|chat]
+        [--concurrency 1,2,4,8] [--parallel 8] [--ctx 8192] [--threads 2] [--workload code|snippet|chat]
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def _prompts(kind: str, n: int) -> list[str]:
         names = ["compute_total", "needs_reorder", "reorder_list", "apply_discount"]
         return [f"Here is a Python file:\n\n```python\n{code}```\n\nReturn the whole file unchanged except that the "
                 f"function {names[i % len(names)]} is renamed to renamed_{i}." for i in range(n)]
+    if kind == "snippet":  # a short copy-with-edit: little prefill, much for lookup to copy
+        code = (WORKLOADS / "code_edit.py").read_text()
+        start = code.index("def compute_total")
+        snippet = code[start : code.index("def apply_discount")]
+        return [f"Rewrite this code with the variable `item` renamed to `entry_{i}`:\n\n```python\n{snippet}```"
+                for i in range(n)]
     topics = ["a lighthouse keeper", "a robot who paints", "a lost cat", "the first day of school", "a dragon",
               "a storm at sea", "a city garden", "a train journey"]
     return [f"Write a short story about {topics[i % len(topics)]}." for i in range(n)]
@@ -152,7 +158,7 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=8192, help="whole context, split between the slots")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workload", choices=("code", "chat"), default="code")
+    ap.add_argument("--workload", choices=("code", "snippet", "chat"), default="code")
     ap.add_argument("--no-llama-server", action="store_true")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
