@@ -19,10 +19,10 @@ from textual.screen import Screen
 
 from edgeinfer import SpeculationOptions, SpeculationProgress
 
-from .backend import Backend, LibraryBackend
+from .backend import Backend, LibraryBackend, one_line
 from .chat_screen import ChatScreen
 from .chat_store import ChatStore
-from .chat_view import ChatView, one_line
+from .chat_view import ChatView
 from .config import ACTIONS, TuiConfig, load_config
 from .modals.help import HelpScreen
 from .model_host import ModelHost

@@ -33,11 +33,19 @@ __all__ = [
     "entry_from_manifest",
     "TaskProgress",
     "progress_from_event",
+    "one_line",
 ]
 
 TASK_KINDS: tuple[str, ...] = ("pull", "convert", "quantize", "evaluate")
 # Tasks whose library call takes a cancel token (the others run to the end once started).
 CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "convert", "quantize"})
+
+
+def one_line(e: BaseException) -> str:
+    """An error as the UI shows it: the first line of its message (the library's errors are one
+    line already), or its type when it has none."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from textual.widgets import Footer, Header, Label
 
 from edgeinfer import EdgeInferError, SpeculationOptions
 
-from .backend import Backend
+from .backend import Backend, one_line
 from .chat_store import ChatStore, export_markdown
-from .chat_view import ChatView, one_line
+from .chat_view import ChatView
 from .config import ACTIONS, TuiConfig
 from .manage import ManageScreen
 from .modals.confirm import ConfirmScreen

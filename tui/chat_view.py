@@ -27,6 +27,7 @@ from textual.widgets import Static
 
 from edgeinfer import DoneEvent, GenerateOptions, Generation, SpeculationProgress, TokenEvent
 
+from .backend import one_line
 from .chat_store import Chat, ChatStore
 from .config import TuiConfig
 from .live_stats import LiveStats, preparing_line
@@ -34,7 +35,7 @@ from .model_host import ModelHost
 from .settings import ChatSettings
 from .widgets import ChatInput, MessageView, last_code_block, merge_spans
 
-__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "one_line"]
+__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE"]
 
 FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second...
 MAX_FLUSH_S = 0.5  # ...and at least twice a second
@@ -44,12 +45,6 @@ MAX_FLUSH_S = 0.5  # ...and at least twice a second
 UI_CPU_BUDGET = 0.05
 # Under a cancelled reply: it stays in the history the model sees, so the note says so.
 CANCELLED_NOTE = "(cancelled; kept in the conversation)"
-
-
-def one_line(e: BaseException) -> str:
-    """The first line of an error's message (the library's errors are one line already)."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 # -- messages from the worker ---------------------------------------------------------------------

@@ -30,9 +30,10 @@ from textual.widgets import (
     TabPane,
 )
 
+from edgeinfer import Cancelled
 from edgeinfer.hub import DEFAULT_QUANT
 
-from .backend import CANCELLABLE_TASKS, Backend, ModelEntry, TaskProgress
+from .backend import CANCELLABLE_TASKS, Backend, ModelEntry, TaskProgress, one_line
 from .modals.confirm import ConfirmScreen
 from .model_table import MODEL_COLUMNS, format_optional, format_size, model_rows
 
@@ -285,8 +286,11 @@ class ManageScreen(Screen):
 
         try:
             result = self.backend.run_task(kind, args, on_progress, cancel)
+        except Cancelled:  # asked for: not an error (a pull keeps its partial file for a resume)
+            self.post_message(TaskUpdate(kind, result=f"{kind}: cancelled"))
+            return
         except Exception as e:  # noqa: BLE001 - the library's one-line message
-            self.post_message(TaskUpdate(kind, error=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
+            self.post_message(TaskUpdate(kind, error=one_line(e)))
             return
         self.post_message(TaskUpdate(kind, result=result))
 

@@ -15,6 +15,15 @@ async def _open_manage(pilot, app):
     return screen
 
 
+async def _start(pilot, screen, kind: str, **fields: str) -> None:
+    """Show the task's tab, fill in its fields, press its start button."""
+    screen.query_one("#manage-tabs").active = f"tab-{kind}"
+    await pilot.pause()
+    for arg, value in fields.items():
+        screen.query_one(f"#{kind}-{arg}").value = value
+    await pilot.click(f"#start-{kind}")
+
+
 def test_models_table_delete_and_ladder(make_app, backend):
     async def main():
         app = make_app()
@@ -49,11 +58,7 @@ def test_quantize_task_progress_and_error(make_app, backend):
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
             screen = await _open_manage(pilot, app)
-            screen.query_one("#manage-tabs").active = "tab-quantize"
-            await pilot.pause()
-            screen.query_one("#quantize-source").value = "smollm2-135m-instruct:q8_0"
-            screen.query_one("#quantize-qtype").value = "Q4_K_M"
-            await pilot.click("#start-quantize")
+            await _start(pilot, screen, "quantize", source="smollm2-135m-instruct:q8_0", qtype="Q4_K_M")
             result = screen.query_one("#quantize-result")
             await wait_for(pilot, lambda: "done" in str(result.render()), what="quantize result")
             assert backend.tasks[-1] == ("quantize", {"source": "smollm2-135m-instruct:q8_0", "qtype": "Q4_K_M"})
@@ -61,8 +66,7 @@ def test_quantize_task_progress_and_error(make_app, backend):
             assert len(bars) == 1 and bars[0].progress == 5 and bars[0].total == 5
             await wait_for(pilot, lambda: screen.query_one("#manage-models").row_count == 4, what="new model listed")
             # a library error: one line on the screen and a notification, the app keeps running
-            screen.query_one("#quantize-source").value = "bad"
-            await pilot.click("#start-quantize")
+            await _start(pilot, screen, "quantize", source="bad")
             await wait_for(pilot, lambda: "error: no such model folder: bad" in str(result.render()))
             assert any("no such model folder" in n.message for n in app._notifications)
 
@@ -74,10 +78,7 @@ def test_pull_shows_one_bar_per_file(make_app, backend):
         app = make_app()
         async with app.run_test(size=(120, 40)) as pilot:
             screen = await _open_manage(pilot, app)
-            screen.query_one("#manage-tabs").active = "tab-pull"
-            await pilot.pause()
-            screen.query_one("#pull-source").value = "org/repo:Q4_K_M"
-            await pilot.click("#start-pull")
+            await _start(pilot, screen, "pull", source="org/repo:Q4_K_M")
             await wait_for(pilot, lambda: "done → org-repo:q4_k_m" in str(screen.query_one("#pull-result").render()))
             bars = list(screen.query("#pull-bars ProgressBar"))
             assert [(b.progress, b.total) for b in bars] == [(1_000_000, 1_000_000)] * 2
@@ -163,3 +164,21 @@ def test_library_backend_rows_come_from_the_manifest_and_fit(default_model_path,
     row = next(e for e in be.list_models() if e.ref == be.default_ref())
     assert (row.ppl, row.kld, row.tok_s) == (10.9, 0.06, 118.0)
     assert abs(row.same_top - 87.7) < 1e-9
+
+
+def test_a_running_quantization_can_be_cancelled(make_app, backend):
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await _open_manage(pilot, app)
+            await _start(pilot, screen, "quantize", source="endless")
+            cancel = screen.query_one("#cancel-quantize")
+            await wait_for(pilot, lambda: not cancel.disabled and screen.query("#quantize-bars ProgressBar"), what="running")
+            assert screen.query_one("#start-quantize").disabled
+            await pilot.click("#cancel-quantize")
+            result = screen.query_one("#quantize-result")
+            await wait_for(pilot, lambda: str(result.render()) == "quantize: cancelled", what="the cancel")
+            assert cancel.disabled and not screen.query_one("#start-quantize").disabled
+            assert not any(n.severity == "error" for n in app._notifications)  # asked for, not an error
+
+    run(main())

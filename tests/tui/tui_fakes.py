@@ -177,6 +177,11 @@ class FakeBackend:
         self.tasks.append((kind, args))
         if args["source"] == "bad":
             raise edgeinfer.ConversionError("no such model folder: bad")
+        if args["source"] == "endless":  # runs until cancelled, as a long quantization would
+            on_progress(TaskProgress(key=kind, label="blk.0", done=1, total=100))
+            while not cancel.wait(0.01):
+                pass
+            raise edgeinfer.Cancelled(f"{kind} cancelled")
         if kind == "pull":  # two files, one bar each, and a status line first
             on_progress(TaskProgress(key="pull", label="", done=0, total=None, message="org/repo @ abc: gguf Q4_K_M, 2.0 MB to fetch"))
             for f in ("model-00001.gguf", "model-00002.gguf"):
