@@ -34,6 +34,7 @@ class Tmux:
         self.socket = f"edgeinfer-test-{uuid.uuid4().hex[:12]}"
         self.session = "chat"
         self.tmp_path = tmp_path
+        self.socket_path: Path | None = None
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         # -f /dev/null: the user's ~/.tmux.conf cannot change keys or the pane's size
@@ -42,6 +43,7 @@ class Tmux:
     def start(self, env: dict[str, str], argv: list[str]) -> None:
         command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
         self.run("new-session", "-d", "-s", self.session, "-x", "120", "-y", "35", command)
+        self.socket_path = Path(self.run("display-message", "-p", "#{socket_path}").stdout.strip())
 
     def capture(self) -> str:
         return self.run("capture-pane", "-p", "-t", self.session, check=False).stdout
@@ -51,6 +53,8 @@ class Tmux:
 
     def kill_server(self) -> None:
         self.run("kill-server", check=False)
+        if self.socket_path is not None:
+            self.socket_path.unlink(missing_ok=True)  # tmux leaves it behind
 
     def poll(self, predicate, timeout: float, what: str) -> str:
         deadline = time.monotonic() + timeout
