@@ -113,9 +113,20 @@ class Replay:
                 f"accepted {self.accepted}/{self.drafted}, k {top}")
 
 
-def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief, oracle: str | None = None) -> Replay:
+def shared_machine(seed: int = 0, spike: float = 0.1):
+    """Multiplicative noise of a shared machine: mostly ±10 %, and with probability `spike` a
+    step preempted by another process (1.5–3× as long). Seeded: every policy sees the same."""
+    import random
+
+    rng = random.Random(seed)
+    return lambda: rng.uniform(1.5, 3.0) if rng.random() < spike else rng.lognormvariate(0.0, 0.1)
+
+
+def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief, oracle: str | None = None,
+           noise=None) -> Replay:
     """Replay lookup over `output` (its first token comes from the prompt's logits, as in the
-    engine); `belief()` makes the cost model the policy starts from."""
+    engine); `belief()` makes the cost model the policy starts from. With `noise()` the policy
+    observes noisy times (the speed-up is still reckoned with the curve's own)."""
     from edgeinfer import SpeculationOptions
     from edgeinfer.engine.speculation import LengthPolicy, LookupDrafter
 
@@ -145,7 +156,7 @@ def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief
         out.drafted += len(draft)
         out.accepted += ok
         out.rejected += ok < len(draft)
-        drafter.observe(history + output[i : i + ok], len(draft), ok, seconds, 0.0)
+        drafter.observe(history + output[i : i + ok], len(draft), ok, seconds * (noise() if noise else 1.0), 0.0)
         i += ok + 1
     out.speedup = (len(output) - 1) * curve[1] / spent
     return out
@@ -164,8 +175,9 @@ def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str
             engine._runtime.decode_all(prompt)
             seconds = calibrate_costs(engine._runtime, prompt[-64:]).to_dict()
             made[name] = lambda s=seconds: CostModel.from_dict(s)
-        elif name == "prior":
-            made[name] = lambda: engine.speculation_prior()  # noqa: B023 (the engine's own starting point)
+        elif name == "prior":  # what the engine starts from when `edgeinfer bench` has not measured
+            f = engine._runtime.facts
+            made[name] = lambda f=f: CostModel.prior(f.size_bytes, f.n_layer, f.n_embd)
         else:
             raise SystemExit(f"unknown belief {name!r}: true, calibrated or prior")
     return made

@@ -65,12 +65,34 @@ def test_prior_learns_the_curve_from_the_steps_taken():
     assert (prior.shape(3) - fresh.shape(3)) * (prior.shape(4) - fresh.shape(4)) > 0
 
 
-def test_prior_lets_a_reliable_drafter_draft_from_the_first_step():
+def test_prior_lets_a_reliable_drafter_draft_after_one_plain_step():
+    """The first step of a request is plain (it measures t1 under today's load, whatever the
+    prior or another session said); from the second on, a reliable drafter drafts."""
     costs = CostModel.prior(1_117_320_768, n_layer=28, n_embd=1536).at(800)
     policy = LengthPolicy(costs, SpeculationOptions(method="lookup"))
     policy.in_run = True
+    assert policy.choose(16) == (0, 1.0)
+    policy.observe(0, 0, verify_s=3 * costs.time(1))  # a machine three times slower than the prior
+    assert costs.time(1) == pytest.approx(3 * CostModel.prior(1_117_320_768, 28, 1536).time(1, 800))
     k, rate = policy.choose(16)
     assert 2 <= k <= 8 and rate > 1.2
+
+
+def test_a_slower_machine_is_not_mistaken_for_a_dearer_curve():
+    """Verifications that keep taking longer than predicted (load came) make the policy re-measure
+    t1 with a plain step, after which the curve's shape is what it was: it keeps drafting."""
+    costs = CostModel({b: truth(b, 0) for b in SHAPE}, attention=ALPHA).at(800)
+    policy = LengthPolicy(costs, SpeculationOptions(method="lookup"))
+    policy.observe(0, 0, verify_s=truth(1, 800))
+    policy.in_run = True
+    k, _ = policy.choose(16)
+    assert k > 0
+    for _ in range(2):  # the machine became twice as slow
+        policy.observe(k, k, verify_s=2 * truth(k + 1, 800))
+    assert costs.t1_stale and policy.choose(16)[0] == 0
+    policy.observe(0, 0, verify_s=2 * truth(1, 800))
+    assert costs.ratio(k + 1) == pytest.approx(truth(k + 1, 800) / truth(1, 800), rel=0.2)
+    assert policy.choose(16)[0] > 0
 
 
 def test_persisted_form_keeps_only_measurements():

@@ -59,7 +59,11 @@ def test_verifications_teach_the_cost_of_their_size_and_outliers_are_damped():
 
 
 def policy(curve: dict[int, float], **spec) -> LengthPolicy:
-    return LengthPolicy(CostModel(curve), SpeculationOptions(method="lookup", **spec))
+    p = LengthPolicy(CostModel(curve), SpeculationOptions(method="lookup", **spec))
+    if p.opts.adaptive:
+        assert p.choose(32)[0] == 0  # a request's first step is plain: it measures t1 under today's load
+        p.observe(0, 0, curve[1], 0.0)
+    return p
 
 
 def test_policy_drafts_long_inside_a_copied_span_and_stops_after_misses():

@@ -26,6 +26,9 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
 # Explorations draft at most this many tokens (the length that costs least for what it may buy:
 # on Q8_0 a 4-token batch is cheaper than a 3-token one).
 _EXPLORE_MAX = 4
+# A plain step in this many re-measures t1 (the unit every cost is expressed in): ≤ 1 % of the steps.
+_T1_REFRESH = 64
+_UNTRIED_DISCOUNT = 0.9
 
 
 class CostModel:
@@ -58,6 +61,10 @@ class CostModel:
         self._shape[1] = 1.0
         # Sizes whose shape comes from measurements (the rest are a prior's guess, interpolated).
         self._measured = set(self._shape) if measured else {1}
+        # t1 is re-measured by each request's first plain step (the machine's load changes).
+        self._t1_observed = False
+        self.t1_stale = True
+        self._last_surprise = 0
 
     @classmethod
     def prior(cls, weight_bytes: int, n_layer: int, n_embd: int, *, slope: float = 0.45,
@@ -88,6 +95,13 @@ class CostModel:
         data = dict(data)
         attention = float(data.pop("attention", 0.0))
         return cls({int(b): float(t) for b, t in data.items()}, attention=attention)
+
+    def is_measured(self, b: int) -> bool:
+        return b in self._measured
+
+    def new_request(self) -> None:
+        """A request starts: its first plain step re-measures t1 under today's load."""
+        self.t1_stale = True
 
     def at(self, depth: int) -> CostModel:
         """Use the curve at this context depth from now on (the drafter sets it every step)."""
@@ -125,16 +139,31 @@ class CostModel:
 
     def observe(self, b: int, seconds: float, weight: float = 0.1, depth: int | None = None) -> None:
         """Learn from one real decode: t1 from plain steps, ρ(b) from batched ones (one outlier —
-        a preempted step — moves either by at most a factor of 1.5)."""
+        a preempted step — moves either by at most a factor of 1.5).
+
+        A verification far off its prediction may mean the machine's speed changed, not the
+        curve's shape: then `t1_stale` asks for a plain step to re-measure t1 before ρ(b) learns
+        more (blaming the shape for a busier machine is what made the policy stop drafting)."""
         if seconds <= 0 or b < 1:
             return
         d = self.depth if depth is None else depth
         a = self.attention * d
         if b == 1:
-            self.t1 = (1 - weight) * self.t1 + weight * min(seconds / (1 + a), 1.5 * self.t1)
+            seen_t1 = seconds / (1 + a)
+            if not self._t1_observed:  # a prior's or another session's t1: take the machine's now
+                self.t1, self._t1_observed = seen_t1, True
+            else:
+                self.t1 = (1 - weight) * self.t1 + weight * min(seen_t1, 1.5 * self.t1)
+            self.t1_stale = False
             return
         old = self.shape(b)
         seen = max(1.0, seconds / self.t1 - a * b)
+        surprise = 0 if 0.75 < seen / old < 1.33 else (1 if seen > old else -1)
+        if surprise:
+            weight /= 2
+            # Twice the same way in a row is the machine, not one preempted step.
+            self.t1_stale = self.t1_stale or surprise == self._last_surprise
+        self._last_surprise = surprise
         new = (1 - 2 * weight) * old + 2 * weight * min(max(seen, old / 1.5), old * 1.5)
         if old > 1.0:
             # Sizes never verified share what this one learned about the curve's level.
@@ -219,6 +248,10 @@ class LengthPolicy:
         self._max_failed = max_failed_explorations
         self._failed = 0
         self._exploring = False
+        # Costs are in units of t1, so t1 must be measured under today's load: each request's first
+        # step is plain, and so is one step in `_T1_REFRESH` drafting steps (or after a surprise).
+        costs.new_request()
+        self._since_plain = 0
 
     def model(self) -> AcceptanceModel:
         return self.run if self.in_run else self.fresh
@@ -250,6 +283,12 @@ class LengthPolicy:
         limit = min(max_len, self.opts.draft_max)
         if not self.opts.adaptive:
             return (limit if limit >= max(self.opts.draft_min, 1) else 0), 1.0
+        if self._since_plain >= _T1_REFRESH:
+            self.costs.t1_stale = True
+        if self.costs.t1_stale:
+            self._since_plain = 0
+            return 0, 1.0
+        self._since_plain += 1
         m = self.model()
         best_k, best = 0, 1.0 + self.margin
         least_bad_k, least_bad = 1, 0.0  # what an exploration drafts: the best short length
@@ -257,7 +296,10 @@ class LengthPolicy:
         for k in range(1, limit + 1):
             p *= m.prob(k - 1) * (quality if k == 1 else 1.0)
             e += p
-            rate = e / (self.costs.ratio(k + 1) + k * draft_cost)
+            # Sizes never verified look a little cheaper than guessed, so each gets tried once
+            # and the curve's bumps are found (optimism where it is unknown).
+            guess = 1.0 if self.costs.is_measured(k + 1) or k > _EXPLORE_MAX else _UNTRIED_DISCOUNT
+            rate = e / (self.costs.ratio(k + 1) * guess + k * draft_cost)
             if rate > best:
                 best_k, best = k, rate
             if k <= _EXPLORE_MAX and rate > least_bad:
