@@ -122,3 +122,33 @@ def test_real_pair_is_a_compatible_qwen_pair(qwen_pair):
     assert target.file_type == draft.file_type == "Q4_K_M"
     assert target.metadata["qwen2.block_count"] == 28 and draft.metadata["qwen2.block_count"] == 24
     assert target.parameter_count > 2.5 * draft.parameter_count
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_speculation_on_the_real_pair_keeps_plain_output(qwen_pair):
+    """Greedy output of lookup, auto and the 0.5B draft model equals plain decoding on a code edit
+    (short output; the pair's top-2 margins on this prompt are no near-ties)."""
+    import edgeinfer
+
+    target, draft = qwen_pair
+    code = (Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "code_edit.py").read_text()
+    messages = [{"role": "user", "content": "Here is a Python file:\n\n```python\n" + code + "```\n\nReturn the "
+                 "whole file unchanged except that the function compute_total is renamed to total_stock_value."}]
+    with edgeinfer.load(str(target), n_ctx=2048, n_threads=2) as engine:
+        prompt = engine.tokenize(engine.render_chat(messages) + "```python\n", add_special=False, parse_special=True)
+
+        def run(spec: edgeinfer.SpeculationOptions) -> edgeinfer.DoneEvent:
+            engine.reset()
+            opts = edgeinfer.GenerateOptions(max_tokens=24, sampling=edgeinfer.SamplingOptions(temperature=0.0),
+                                             speculation=spec)
+            return engine.generate(prompt, opts).result()
+
+        plain = run(edgeinfer.SpeculationOptions(method="off")).tokens
+        assert len(plain) == 24
+        for spec in (edgeinfer.SpeculationOptions(method="lookup"), edgeinfer.SpeculationOptions(method="auto"),
+                     edgeinfer.SpeculationOptions(method="draft", draft_model=str(draft))):
+            done = run(spec)
+            assert done.tokens == plain, spec.method
+        # The lookup request drafted (the file is copied): the policy did not switch itself off.
+        assert run(edgeinfer.SpeculationOptions(method="lookup")).stats.speculation.accepted > 0
