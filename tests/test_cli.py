@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# slow tier: each test runs the `edgeinfer` command in a subprocess
+pytestmark = pytest.mark.slow
+
 EDGEINFER = [sys.executable, "-m", "edgeinfer"]
 
 

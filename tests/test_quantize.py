@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# slow tier: every test here runs llama.cpp's quantizer (a child process) on a real model
+pytestmark = pytest.mark.slow
+
 K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 

@@ -114,6 +114,7 @@ def _register_many(args):
     return True
 
 
+@pytest.mark.slow  # two subprocesses importing the package
 def test_two_processes_share_one_store(edgeinfer_home, default_model_path):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+import pytest
 from tui_helpers import open_screen, run, say, wait_for
+
+# slow tier: Pilot-driven app tests, about a second of CPU each; the fast tier keeps the widget,
+# dialog and snapshot tests
+pytestmark = pytest.mark.slow
 
 
 def _views(app):

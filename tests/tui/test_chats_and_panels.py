@@ -3,7 +3,12 @@ speculation panel and drafted-token colouring, help, command palette, remapped k
 
 from __future__ import annotations
 
+import pytest
 from tui_helpers import open_screen, run, say, wait_for
+
+# slow tier: Pilot-driven app tests, about a second of CPU each; the fast tier keeps the widget,
+# dialog and snapshot tests
+pytestmark = pytest.mark.slow
 
 
 def _views(app):

@@ -3,7 +3,12 @@ and the keys that start them; the real LibraryBackend's rows and the library's p
 
 from __future__ import annotations
 
+import pytest
 from tui_helpers import run, wait_for
+
+# slow tier: Pilot-driven app tests, about a second of CPU each; the fast tier keeps the widget,
+# dialog and snapshot tests
+pytestmark = pytest.mark.slow
 
 
 async def _open_manage(pilot, app):
