@@ -104,3 +104,27 @@ def qwen_pair() -> tuple[Path, Path]:
     from real_models import qwen_pair as fetch
 
     return fetch()
+
+
+@pytest.fixture(scope="session")
+def default_model_copy(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path):
+    """`default_model_copy("F16")`: the default model requantized by llama.cpp into that type, made
+    once per test session (per xdist worker) in a store of its own, outside the per-test stores."""
+    import warnings
+
+    from edgeinfer import Store
+    from edgeinfer.quantize import quantize_model
+
+    store = Store(tmp_path_factory.mktemp("default-model-copies"))
+    made: dict[str, Path] = {}
+
+    def make(qtype: str) -> Path:
+        qtype = qtype.upper()
+        if qtype not in made:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # requantizing Q4_1 warns, by design
+                made[qtype] = quantize_model(default_model_path, qtype, store=store, allow_requantize=True,
+                                             n_threads=2).path
+        return made[qtype]
+
+    return make
