@@ -32,6 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType
 
+from ..cancel import CancelToken, is_cancelled
 from ..errors import Cancelled, ConversionError, InvalidOptionError
 from ..fsutil import atomic_path, ensure_free_space
 from ..gguf_file import read_gguf
@@ -364,13 +365,6 @@ def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT
     return plans
 
 
-def _cancelled(cancel: Any) -> bool:
-    if cancel is None:
-        return False
-    is_set = getattr(cancel, "is_set", None)
-    return bool(is_set() if callable(is_set) else cancel())
-
-
 def _source_dtype(ckpt: Checkpoint) -> str:
     """The float dtype holding most bytes (a quantized checkpoint's unquantized tensors decide)."""
     sizes: dict[str, int] = {}
@@ -391,7 +385,7 @@ def convert_model(
     name: str | None = None,
     repo_id: str | None = None,
     register: bool = True,
-    cancel: Callable[[], bool] | Any = None,
+    cancel: CancelToken = None,
 ) -> ConvertResult:
     """Convert a Hugging Face model folder to GGUF and register it in the store.
 
@@ -487,7 +481,7 @@ def convert_model(
                         done += p.source_bytes
                         if on_progress is not None:
                             on_progress(ConvertProgress(p.name, i, len(plans), done, total_src))
-                        if _cancelled(cancel):
+                        if is_cancelled(cancel):
                             raise Cancelled("conversion cancelled")
                 w.flush()
             finally:
