@@ -153,7 +153,9 @@ class CostModel:
             if not self._t1_observed:  # a prior's or another session's t1: take the machine's now
                 self.t1, self._t1_observed = seen_t1, True
             else:
-                self.t1 = (1 - weight) * self.t1 + weight * min(seen_t1, 1.5 * self.t1)
+                # A step taken to re-measure t1 counts for more than a routine plain step.
+                w = 0.5 if self.t1_stale else weight
+                self.t1 = (1 - w) * self.t1 + w * min(seen_t1, 1.5 * self.t1)
             self.t1_stale = False
             return
         old = self.shape(b)
