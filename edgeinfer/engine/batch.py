@@ -93,7 +93,7 @@ class BatchOptions:
     draft_max: int = 16  # most drafted rows per slot and step
     margin: float = 0.03  # drafting must beat not drafting by this fraction
     # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
-    # None: measured on the first speculative request. Either way it is refined step by step.
+    # None: measured on the first speculative request.
     cost_curve: Mapping[int, float] | None = None
 
     def validate(self) -> BatchOptions:
@@ -589,8 +589,8 @@ class BatchEngine:
             )
 
     def cost_curve(self) -> dict[int, float]:
-        """Seconds of one decode by number of rows, as measured and learned so far (empty
-        before the first speculative request)."""
+        """Seconds of one decode by number of rows, as the draft policy uses it (empty before
+        the first speculative request)."""
         costs = self._costs
         if costs is None:
             return {}
@@ -756,11 +756,7 @@ class BatchEngine:
             for i in range(r.fed, r.fed + n):
                 rows.add(r.prompt[i], i, r.slot.index, i == len(r.prompt) - 1)
             prompt_ends.append(len(rows) - 1)
-        t0 = time.perf_counter()
         rt.decode_rows(rows.tokens, rows.positions, rows.seqs, rows.logits)
-        dt = time.perf_counter() - t0
-        if self._costs is not None:
-            self._costs.observe(len(rows), dt)
         self._counters["steps"] += 1
         self._counters["rows"] += len(rows)
 
@@ -903,9 +899,15 @@ class BatchEngine:
         return [candidates[i][:k] for i, k in enumerate(counts)]
 
     def _cost_model(self) -> CostModel:
+        """The curve the draft policy decides with: measured once, then held fixed and made
+        non-decreasing. Decisions compare t(R0 + m) with t(R0) for the same step, so the curve
+        must be consistent with itself more than exact: learning single sizes from live steps
+        (as Engine's policy does) made a size seen in heavy prefill steps dearer than its
+        unseen neighbours, so drafting into such a step looked free; and a noisy calibration
+        bump must not say that more rows cost less."""
         if self._costs is None:
             given = self.batch_options.cost_curve
-            self._costs = CostModel(dict(given) if given is not None else self._calibrate())
+            self._costs = CostModel(_non_decreasing(dict(given) if given is not None else self._calibrate()))
         return self._costs
 
     def _calibrate(self, reps: int = 2) -> dict[int, float]:
@@ -931,6 +933,14 @@ class BatchEngine:
                     rt.seq_rm(s.index, len(s.cached))
         log.info("batch cost curve (ms): %s", {b: round(t * 1e3, 2) for b, t in sorted(best.items())})
         return best
+
+
+def _non_decreasing(seconds: dict[int, float]) -> dict[int, float]:
+    out, highest = {}, 0.0
+    for b in sorted(seconds):
+        highest = max(highest, seconds[b])
+        out[b] = highest
+    return out
 
 
 def plan_drafts(gains: Sequence[Sequence[float]], base_rows: int, cost: Callable[[int], float], max_rows: int,
