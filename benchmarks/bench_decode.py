@@ -5,7 +5,11 @@ Greedy, 256 tokens, same threads, measured alternately in one run (the machine i
 noisy, so the ratios matter more than the absolute numbers). Peak RSS is measured in fresh
 child processes, one per implementation.
 
-    .venv/bin/python benchmarks/bench_decode.py [--rounds 5] [--tokens 256] [--threads 2]
+    .venv/bin/python -m benchmarks.bench_decode [--rounds 5] [--tokens 256] [--threads 2] [--pair | --model PATH]
+        [--no-rss]
+
+--pair runs it on the real Qwen2.5-Coder-1.5B-Instruct Q4_K_M (tests/real_models.py). The 1-minute
+load average is printed next to the table: on a shared machine read the ratios.
 """
 
 from __future__ import annotations
@@ -63,13 +67,12 @@ def run_decode_only(engine, n: int) -> tuple[float, float, int]:
     return (n - 1) / spent, ttft, n
 
 
-def peak_rss(which: str, threads: int, n: int) -> float:
+def peak_rss(which: str, threads: int, n: int, path: str) -> float:
     code = f"""
 import resource, sys
 sys.argv = ['x']
 from benchmarks.bench_decode import *
-from edgeinfer.default_model import default_model_file
-path = str(default_model_file())
+path = {path!r}
 if {which!r} == 'ours':
     import edgeinfer
     e = edgeinfer.load(path, n_ctx=2048, n_threads={threads})
@@ -90,14 +93,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", help="GGUF path (default: the default model)")
+    ap.add_argument("--pair", action="store_true", help="the real Qwen2.5-Coder-1.5B target")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     args = ap.parse_args()
+
+    import os
 
     import llama_cpp
 
     import edgeinfer
     from edgeinfer.default_model import default_model_file
 
-    path = str(default_model_file())
+    if args.pair:
+        from tests.real_models import qwen_pair
+
+        path = str(qwen_pair()[0])
+    else:
+        path = args.model or str(default_model_file())
+    load_before = os.getloadavg()[0]
     engine = edgeinfer.load(path, n_ctx=2048, n_threads=args.threads)
     llm = llama_cpp.Llama(path, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     impls = {"edgeinfer loop": lambda: run_ours(engine, args.tokens),
@@ -109,8 +123,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, f in impls.items():  # alternate
             results[name].append(f())
-    rss = {"edgeinfer loop": peak_rss("ours", args.threads, args.tokens),
-           "llama-cpp-python create_completion": peak_rss("binding", args.threads, args.tokens)}
+    load_after = os.getloadavg()[0]
+    rss = {} if args.no_rss else {
+        "edgeinfer loop": peak_rss("ours", args.threads, args.tokens, path),
+        "llama-cpp-python create_completion": peak_rss("binding", args.threads, args.tokens, path)}
     base = statistics.median(r[0] for r in results["llama-cpp-python create_completion"])
     rows = []
     for name, rs in results.items():
@@ -122,7 +138,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"default model, greedy, {args.tokens} tokens, {args.threads} threads, median of {args.rounds} alternating rounds")
+    print(f"{os.path.basename(path)}, greedy, {args.tokens} tokens, {args.threads} threads, median of {args.rounds} "
+          f"alternating rounds, load average {load_before:.1f} before / {load_after:.1f} after")
     print(f"{'implementation':38} {'decode tok/s':>12} {'× binding':>10} {'TTFT ms':>8} {'peak RSS MB':>12}")
     for r in rows:
         rss_s = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
