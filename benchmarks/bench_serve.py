@@ -161,6 +161,8 @@ def main() -> int:
     ap.add_argument("--workload", choices=("code", "snippet", "chat"), default="code")
     ap.add_argument("--no-llama-server", action="store_true")
     args = ap.parse_args()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C/kill -INT still stops the servers
     levels = [int(c) for c in args.concurrency.split(",")]
 
     home = Path(tempfile.mkdtemp(prefix="bench-serve-"))
