@@ -89,7 +89,12 @@ def test_a_slower_machine_is_not_mistaken_for_a_dearer_curve():
     assert k > 0
     for _ in range(2):  # the machine became twice as slow
         policy.observe(k, k, verify_s=2 * truth(k + 1, 800))
-    assert costs.t1_stale and policy.choose(16)[0] == 0
+    assert costs.t1_stale
+    drafted = 0  # a plain step comes within a few steps (not at once: noise makes surprises common)
+    while policy.choose(16)[0] != 0:
+        policy.observe(k, k, verify_s=2 * truth(k + 1, 800))
+        drafted += 1
+        assert drafted <= 8
     policy.observe(0, 0, verify_s=2 * truth(1, 800))
     assert costs.ratio(k + 1) == pytest.approx(truth(k + 1, 800) / truth(1, 800), rel=0.2)
     assert policy.choose(16)[0] > 0

@@ -28,6 +28,7 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
 _EXPLORE_MAX = 4
 # A plain step in this many re-measures t1 (the unit every cost is expressed in): ≤ 1 % of the steps.
 _T1_REFRESH = 64
+_T1_MIN_GAP = 8
 _UNTRIED_DISCOUNT = 0.9
 
 
@@ -64,6 +65,7 @@ class CostModel:
         # t1 is re-measured by each request's first plain step (the machine's load changes).
         self._t1_observed = False
         self.t1_stale = True
+        self._suspect = False  # verifications surprised twice: shape learning waits for a new t1
         self._last_surprise = 0
 
     @classmethod
@@ -152,20 +154,21 @@ class CostModel:
             seen_t1 = seconds / (1 + a)
             if not self._t1_observed:  # a prior's or another session's t1: take the machine's now
                 self.t1, self._t1_observed = seen_t1, True
+            elif self.t1_stale:  # a step taken to re-measure t1: the machine's speed now
+                self.t1 = min(max(seen_t1, self.t1 / 3), 3 * self.t1)
             else:
-                # A step taken to re-measure t1 counts for more than a routine plain step.
-                w = 0.5 if self.t1_stale else weight
-                self.t1 = (1 - w) * self.t1 + w * min(seen_t1, 1.5 * self.t1)
-            self.t1_stale = False
+                self.t1 = (1 - weight) * self.t1 + weight * min(seen_t1, 1.5 * self.t1)
+            self.t1_stale = self._suspect = False
             return
         old = self.shape(b)
         seen = max(1.0, seconds / self.t1 - a * b)
         surprise = 0 if 0.75 < seen / old < 1.33 else (1 if seen > old else -1)
-        if surprise:
-            weight /= 2
-            # Twice the same way in a row is the machine, not one preempted step.
-            self.t1_stale = self.t1_stale or surprise == self._last_surprise
+        # Twice the same way in a row is the machine, not one preempted step.
+        if surprise != 0 and surprise == self._last_surprise:
+            self.t1_stale = self._suspect = True
         self._last_surprise = surprise
+        if self._suspect:
+            return  # t1 or the shape? Unclear until t1 is re-measured: learn nothing meanwhile
         new = (1 - 2 * weight) * old + 2 * weight * min(max(seen, old / 1.5), old * 1.5)
         if old > 1.0:
             # Sizes never verified share what this one learned about the curve's level.
@@ -253,7 +256,7 @@ class LengthPolicy:
         # Costs are in units of t1, so t1 must be measured under today's load: each request's first
         # step is plain, and so is one step in `_T1_REFRESH` drafting steps (or after a surprise).
         costs.new_request()
-        self._since_plain = 0
+        self._since_plain = _T1_REFRESH
 
     def model(self) -> AcceptanceModel:
         return self.run if self.in_run else self.fresh
@@ -285,10 +288,9 @@ class LengthPolicy:
         limit = min(max_len, self.opts.draft_max)
         if not self.opts.adaptive:
             return (limit if limit >= max(self.opts.draft_min, 1) else 0), 1.0
-        if self._since_plain >= _T1_REFRESH:
-            self.costs.t1_stale = True
-        if self.costs.t1_stale:
-            self._since_plain = 0
+        # On a very noisy machine surprises come often: re-measure at most once in a few steps.
+        if self._since_plain >= _T1_REFRESH or (self.costs.t1_stale and self._since_plain >= _T1_MIN_GAP):
+            self.costs.t1_stale = True  # the plain step this asks for clears it
             return 0, 1.0
         self._since_plain += 1
         m = self.model()
@@ -322,6 +324,7 @@ class LengthPolicy:
         t1 = self.costs.time(1)
         self.costs.observe(n_drafted + 1, verify_s)
         if n_drafted <= 0:
+            self._since_plain = 0
             return
         self.model().update(n_drafted, n_accepted)
         self.in_run = n_accepted == n_drafted
