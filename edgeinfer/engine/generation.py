@@ -5,6 +5,15 @@ requested only for those rows. The target samples each row in order and keeps dr
 they match what it sampled, so the output is exactly what plain decoding gives (for a deterministic
 drafter this holds for any sampler settings). The rejected suffix is dropped from the KV cache.
 Plain decoding is the same loop with no drafter.
+
+A draft model at temperature > 0 (no penalties) samples its drafts from its own distribution q
+instead; the target then verifies each with the rejection rule of speculative sampling (keep x with
+probability min(1, p(x)/q(x)), else draw from normalise(max(0, p − q)), a bonus token from p when all
+are kept). p and q are the sampler's post-transform distributions (`sampler.sampling_distribution`:
+top-k → top-p → min-p → temperature → softmax), and every token of such a request is drawn in numpy
+with the request's one RNG, seeded from its seed. Each output token is then distributed as plain
+sampling's, and more drafts are kept than by matching two independent samples. Prompt lookup (and
+greedy) drafts stay sample-and-match: their q is one-hot, where the two rules coincide.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from ..errors import Cancelled, EngineClosedError
 from .events import DoneEvent, Event, FinishReason, GenerationStats, SpeculationProgress, TokenEvent
 from .llama import DecodeAborted, LlamaRuntime
 from .options import GenerateOptions, SpeculationOptions
-from .sampler import Sampler
+from .sampler import Sampler, verify_sampled_draft
 from .slot import RequestSlot
 from .text import TextAssembler
 
@@ -47,6 +56,10 @@ class Drafter(Protocol):
         target's decode and sampling time, draft_s the time spent proposing."""
 
     def close(self) -> None: ...
+
+    # Optional (looked up with getattr): a drafter that samples its drafts.
+    # use_sampler(sampler) -> bool: called before start; True if its drafts will come with q.
+    # draft_distributions() -> list[TokenDistribution] | None: q of each token of the last proposal.
 
 
 class SpeculationSource(Protocol):
@@ -293,7 +306,12 @@ def _loop(req: _Request, rt: LlamaRuntime, sampler: Sampler, drafter: Drafter | 
         stats.prompt_tokens = len(prompt)
         sampler.prime(prompt)
         history = list(prompt)
-        pending = [(sampler.sample(-1), False)]
+        use_sampler = getattr(drafter, "use_sampler", None)
+        sampled_drafts = bool(use_sampler(sampler)) if use_sampler is not None else False
+        # With a sampling drafter every token is drawn in numpy from the distribution the rejection
+        # rule uses (one definition of p, one RNG); otherwise llama.cpp's chain samples.
+        sample = sampler.draw if sampled_drafts else sampler.sample
+        pending = [(sample(-1), False)]
         if drafter is not None:
             drafter.start(prompt)  # may decode (cost calibration): only after the sample above
         t_first = time.perf_counter()
@@ -337,11 +355,16 @@ def _loop(req: _Request, rt: LlamaRuntime, sampler: Sampler, drafter: Drafter | 
             t_step = time.perf_counter()
             if drafts:
                 rt.decode([last, *drafts], logits_from=0)
+                qs = drafter.draft_distributions() if sampled_drafts else None  # type: ignore[attr-defined]
                 pending = []
                 n_ok = 0
                 for i in range(len(drafts) + 1):
-                    tok = sampler.sample(i)
-                    if i < len(drafts) and tok == drafts[i]:
+                    if qs is not None and i < len(drafts):
+                        kept, tok = verify_sampled_draft(sampler.distribution(i), qs[i], drafts[i], sampler.rng)
+                    else:  # sample-and-match (the bonus token: a plain sample from p)
+                        tok = sample(i)
+                        kept = i < len(drafts) and tok == drafts[i]
+                    if kept:
                         pending.append((tok, True))
                         n_ok += 1
                         continue
@@ -355,7 +378,7 @@ def _loop(req: _Request, rt: LlamaRuntime, sampler: Sampler, drafter: Drafter | 
                                 time.perf_counter() - t_step, t_step - t_propose)
             else:
                 rt.decode([last])
-                pending = [(sampler.sample(-1), False)]
+                pending = [(sample(-1), False)]
                 if drafter is not None:
                     drafter.observe(history, 0, 0, time.perf_counter() - t_step, t_step - t_propose)
                     if stats.speculation is not None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import IncompatibleDraftError
 from ..llama import LlamaRuntime
+from ..sampler import Sampler, TokenDistribution, sampling_distribution
 from .policy import LengthPolicy
 
 __all__ = ["ModelDrafter", "check_draft_compatible", "relative_draft_cost"]
@@ -72,8 +73,14 @@ def relative_draft_cost(target: LlamaRuntime, draft: LlamaRuntime, prompt: Seque
 
 
 class ModelDrafter:
-    """A second, cheaper model drafts greedily in its own context, kept in step with the target's;
-    it stops early when its own top token's probability falls below p_min."""
+    """A second, cheaper model drafts in its own context, kept in step with the target's; it stops
+    early when its own top token's probability falls below p_min.
+
+    Greedy requests (and any request it is not given a sampler for) get its argmax tokens, which the
+    target verifies by sample-and-match. Given the request's sampler (`use_sampler`, T > 0, no
+    penalties) it SAMPLES each draft from q = the sampler's transforms (top-k → top-p → min-p →
+    temperature) applied to its own logits, with the request's RNG, and keeps those q
+    (`distributions`) for the target's rejection rule."""
 
     method = "draft"
 
@@ -87,6 +94,12 @@ class ModelDrafter:
         self.step_s = 0.0  # measured seconds per draft token (EWMA)
         self.enabled = True
         self.note = ""
+        self.sampler: Sampler | None = None
+        self.distributions: list[TokenDistribution] = []  # q of each token of the last draft
+
+    def use_sampler(self, sampler: Sampler) -> None:
+        """Draft by sampling from q with this request's sampler settings and RNG (see the class)."""
+        self.sampler = sampler if sampler.exact else None
 
     def start(self, prompt: Sequence[int]) -> None:
         # A draft that cannot pay even at high acceptance is switched off before it costs
@@ -134,6 +147,8 @@ class ModelDrafter:
         rt = self.rt
         self._sync(history)
         out: list[int] = []
+        self.distributions = []
+        sampler = self.sampler
         last = history[-1]
         t0 = time.perf_counter()
         for _ in range(k):
@@ -141,12 +156,20 @@ class ModelDrafter:
                 break
             rt.decode([last])
             row = rt.logits_row(-1)
-            tok = int(np.argmax(row))
-            if self.p_min > 0:
-                z = row - row[tok]
-                p_top = 1.0 / float(np.exp(z, dtype=np.float32).sum())
-                if p_top < self.p_min and out:
+            if sampler is not None:
+                # Stopping depends only on q, before its token is drawn: the rule stays exact.
+                q = sampling_distribution(row, sampler.options)
+                if q.top < self.p_min and out:
                     break
+                tok = q.draw(sampler.rng)
+                self.distributions.append(q)
+            else:
+                tok = int(np.argmax(row))
+                if self.p_min > 0:
+                    z = row - row[tok]
+                    p_top = 1.0 / float(np.exp(z, dtype=np.float32).sum())
+                    if p_top < self.p_min and out:
+                        break
             out.append(tok)
             last = tok
         if out:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..llama import LlamaRuntime
 from ..options import SpeculationOptions
+from ..sampler import Sampler, TokenDistribution
 from .draft_model import ModelDrafter
 from .lookup import LookupDrafter
 from .policy import CostModel, LengthPolicy
@@ -63,6 +64,12 @@ class AutoDrafter:
                 return self.model.draft(history, k)
         return draft
 
+    def draft_distributions(self) -> list[TokenDistribution] | None:
+        """q of the last draft when the (sampling) draft model made it; None for a lookup draft."""
+        if self._last is self.model and self.model is not None and self.model.sampler is not None:
+            return self.model.distributions
+        return None
+
     def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
         if self._last is not None:
             self._last.observe(history, n_drafted, n_accepted, verify_s, draft_s)
@@ -98,6 +105,23 @@ class RequestDrafter:
         self.method = {"self": f"self={spec.self_quant}", "draft": "draft"}.get(spec.method, spec.method)
         self.inner: LookupDrafter | ModelDrafter | AutoDrafter | None = None
         self._model: ModelDrafter | None = None
+        self._sampler: Sampler | None = None
+
+    def use_sampler(self, sampler: Sampler) -> bool:
+        """Called before `start`: a draft model will sample its drafts with the request's sampler
+        (T > 0, no penalties) so the target can verify them by the rejection rule. True if so."""
+        models = self.spec.method in ("draft", "self") or (self.spec.method == "auto" and bool(self.spec.draft_model))
+        self._sampler = sampler if models and sampler.exact else None
+        return self._sampler is not None
+
+    def draft_distributions(self) -> list[TokenDistribution] | None:
+        """The draft model's q for each token of the last proposal, or None when the proposal is
+        deterministic (prompt lookup, a greedy draft): then sample-and-match verifies it."""
+        if isinstance(self.inner, AutoDrafter):
+            return self.inner.draft_distributions()
+        if isinstance(self.inner, ModelDrafter) and self.inner.sampler is not None:
+            return self.inner.distributions
+        return None
 
     def start(self, prompt: Sequence[int]) -> None:
         ctx, spec = self.ctx, self.spec
@@ -116,6 +140,8 @@ class RequestDrafter:
         self.inner.start(prompt)
         model_drafter = getattr(self.inner, "model", self.inner)
         self._model = model_drafter if isinstance(model_drafter, ModelDrafter) else None
+        if self._model is not None and self._sampler is not None:
+            self._model.use_sampler(self._sampler)
         self._report()
 
     def _report(self) -> None:
