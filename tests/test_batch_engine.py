@@ -331,3 +331,15 @@ def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
         assert late.done.stats.cached_tokens == 0
         # ~10 prefill steps: the running request got a token from (nearly) each of them.
         assert len(running_before) >= 8, arrivals[: first_long + 1]
+
+
+def test_step_costs_fit_the_attention_term():
+    """Steps made dearer by context (t = 1.5 · curve(R) + 2e-6 · R · D) are fitted back from
+    what they cost, so long contexts make drafted rows dearer than the short-context curve says."""
+    from edgeinfer.engine.batch import _StepCosts
+
+    fit = _StepCosts(CPU_LIKE)
+    for rows, cells in [(1, 100), (8, 500), (2, 2000), (16, 3000), (4, 800), (32, 4000), (1, 4000), (9, 1500)] * 5:
+        fit.observe(rows, cells, 1.5 * CPU_LIKE.time(rows) + 2e-6 * rows * cells)
+    assert fit.s == pytest.approx(1.5, rel=1e-3) and fit.beta == pytest.approx(2e-6, rel=1e-3)
+    assert fit.time(16, 4000) > 1.5 * CPU_LIKE.time(16)

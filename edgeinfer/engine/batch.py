@@ -424,7 +424,7 @@ class BatchEngine:
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
         self._finished: collections.Counter[str] = collections.Counter()
-        self._costs: CostModel | None = None
+        self._costs: _StepCosts | None = None
         self._thread = threading.Thread(target=self._run, name=f"edgeinfer-batch-{self.name}", daemon=True)
         self._thread.start()
 
@@ -594,7 +594,7 @@ class BatchEngine:
         costs = self._costs
         if costs is None:
             return {}
-        return {int(k): v for k, v in costs.to_dict().items() if k.isdigit()}
+        return {int(k): v for k, v in costs.curve.to_dict().items() if k.isdigit()}
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -756,7 +756,11 @@ class BatchEngine:
             for i in range(r.fed, r.fed + n):
                 rows.add(r.prompt[i], i, r.slot.index, i == len(r.prompt) - 1)
             prompt_ends.append(len(rows) - 1)
+        cells = sum(len(s.cached) for s in self._slots) + len(rows)
+        t0 = time.perf_counter()
         rt.decode_rows(rows.tokens, rows.positions, rows.seqs, rows.logits)
+        if self._costs is not None:
+            self._costs.observe(len(rows), cells, time.perf_counter() - t0)
         self._counters["steps"] += 1
         self._counters["rows"] += len(rows)
 
@@ -895,19 +899,22 @@ class BatchEngine:
             candidates[i], gains_of[i] = draft, gains
         if not any(gains_of):
             return out
-        counts = plan_drafts(gains_of, len(decoding) + n_prefill, costs.time, self._runtime.n_batch, bo.margin)
+        cells = sum(len(s.cached) for s in self._slots)
+        counts = plan_drafts(gains_of, len(decoding) + n_prefill, lambda rows: costs.time(rows, cells + rows),
+                             self._runtime.n_batch, bo.margin)
         return [candidates[i][:k] for i, k in enumerate(counts)]
 
-    def _cost_model(self) -> CostModel:
-        """The curve the draft policy decides with: measured once, then held fixed and made
-        non-decreasing. Decisions compare t(R0 + m) with t(R0) for the same step, so the curve
+    def _cost_model(self) -> _StepCosts:
+        """What the draft policy decides with: the curve by rows measured once (at a short
+        context), held fixed and made non-decreasing, plus a fit of the steps actually taken
+        (see _StepCosts). Decisions compare t(R0 + m) with t(R0) for the same step, so the model
         must be consistent with itself more than exact: learning single sizes from live steps
-        (as Engine's policy does) made a size seen in heavy prefill steps dearer than its
-        unseen neighbours, so drafting into such a step looked free; and a noisy calibration
-        bump must not say that more rows cost less."""
+        (as Engine's policy does) made a size seen in heavy prefill steps dearer than its unseen
+        neighbours, so drafting into such a step looked free; a noisy calibration bump must not
+        say that more rows cost less."""
         if self._costs is None:
             given = self.batch_options.cost_curve
-            self._costs = CostModel(_non_decreasing(dict(given) if given is not None else self._calibrate()))
+            self._costs = _StepCosts(CostModel(_non_decreasing(dict(given) if given is not None else self._calibrate())))
         return self._costs
 
     def _calibrate(self, reps: int = 2) -> dict[int, float]:
@@ -933,6 +940,35 @@ class BatchEngine:
                     rt.seq_rm(s.index, len(s.cached))
         log.info("batch cost curve (ms): %s", {b: round(t * 1e3, 2) for b, t in sorted(best.items())})
         return best
+
+
+class _StepCosts:
+    """t(R, D) = s · curve(R) + β · R · D: the measured curve by rows, scaled to the machine's
+    current speed, plus what attention over D cached cells adds per row (one unified KV cache:
+    every row attends over the cells of all slots, so eight long conversations make each row
+    dearer than the curve measured at a short context says). s and β are fitted to the steps
+    actually taken by exponentially weighted least squares."""
+
+    def __init__(self, curve: CostModel, decay: float = 0.98):
+        self.curve = curve
+        self.decay = decay
+        self.s, self.beta = 1.0, 0.0
+        self._sums = np.zeros(5)  # Σa², Σab, Σb², Σay, Σby with a = curve(R), b = R·D, y = seconds
+
+    def time(self, rows: int, cells: int) -> float:
+        return self.s * self.curve.time(rows) + self.beta * rows * cells
+
+    def observe(self, rows: int, cells: int, seconds: float) -> None:
+        a, b = self.curve.time(rows), float(rows * cells)
+        self._sums = self._sums * self.decay + np.array([a * a, a * b, b * b, a * seconds, b * seconds])
+        saa, sab, sbb, say, sby = self._sums
+        det = saa * sbb - sab * sab
+        s = beta = -1.0
+        if det > 1e-12 * saa * sbb:
+            s, beta = (say * sbb - sby * sab) / det, (saa * sby - sab * say) / det
+        if s <= 0 or beta < 0:  # not identifiable yet (or no attention effect): scale only
+            s, beta = say / saa, 0.0
+        self.s, self.beta = max(s, 1e-3), beta
 
 
 def _non_decreasing(seconds: dict[int, float]) -> dict[int, float]:
