@@ -50,7 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=threads_type, help="CPU threads (default: all cores)")
     add_kv_options(p)
     p.add_argument("--speculate", default="off", metavar="SPEC",
-                   help="off | lookup | auto | draft=MODEL | self=Q3_K_M (output is unchanged, speed may be)")
+                   help="off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M (output is unchanged, "
+                   "speed may be; auto=MODEL: auto may draft with MODEL where it pays)")
+    p.add_argument("--draft", metavar="MODEL", help="draft model for --speculate auto or draft (same as auto=MODEL)")
     p.add_argument("--draft-max", type=int_range(0, INT32_MAX),
                    help=f"longest draft per step (default {edgeinfer.DEFAULT_SPECULATION.draft_max})")
     p.add_argument("--draft-min", type=int_range(0, INT32_MAX), help="shortest draft worth verifying")
@@ -167,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
         raise edgeinfer.InvalidOptionError("the prompt is empty")
     system = None if args.system is None else argument_text(args.system, "--system", args.encoding_errors)
     stop = tuple(argument_text(s, "--stop", args.encoding_errors) for s in args.stop)
-    speculation = edgeinfer.SpeculationOptions.parse(args.speculate, draft_max=args.draft_max, draft_min=args.draft_min)
+    if args.draft is not None and args.speculate.partition("=")[0].strip() not in ("auto", "draft"):
+        raise edgeinfer.InvalidOptionError("--draft needs --speculate auto or --speculate draft")
+    speculation = edgeinfer.SpeculationOptions.parse(args.speculate, draft_max=args.draft_max, draft_min=args.draft_min,
+                                                     draft_model=args.draft)
     options = edgeinfer.GenerateOptions(
         max_tokens=args.max_tokens,
         stop=stop,

@@ -180,12 +180,13 @@ class SpeculationOptions:
 
     @classmethod
     def parse(cls, spec: str, **overrides: object) -> SpeculationOptions:
-        """Parse the CLI form: off | lookup | auto | draft=MODEL | self=Q3_K_M."""
+        """Parse the CLI form: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M
+        (auto=MODEL: auto may also draft with MODEL where it pays)."""
         _instance("", "speculation", spec, str, "a string like 'lookup' or 'self=Q4_K_M'")
         spec = spec.strip()
         method, _, arg = spec.partition("=")
         kw: dict[str, object] = {"method": method}
-        if method == "draft":
+        if method == "draft" or (method == "auto" and arg):
             kw["draft_model"] = arg or None
         elif method == "self":
             if arg:
