@@ -1,11 +1,12 @@
 """KV-cache types at long contexts: memory, prefill and decode speed, and quality, per type.
 
-For each context depth (default 8192 tokens) and each KV type (K = V), a fresh child process loads
-the model with that cache, prefills `depth` tokens of the eval text (repeated as needed), then
-decodes `--decode` tokens greedily; it reports llama.cpp's own KV buffer size, prefill and decode
+For each context size (default 8192 tokens) and each KV type (K = V), a fresh child process loads
+the model with that cache, prefills the eval text (repeated as needed) up to the context size
+minus the `--decode` tokens it then decodes greedily; it reports llama.cpp's own KV buffer size, prefill and decode
 tok/s and its peak RSS. Rows alternate types within each round (the machine is shared and noisy);
-the table shows medians and each type's ratio to f16. With --kld, evaluate_kv measures what the
-type costs against the same weights with an f16 cache (KLD, same-top) on --kld-ctx-token chunks.
+the table shows medians and each type's ratio to f16. With --kld, each type's cost against the same
+weights with an f16 cache (KLD, same-top; evaluate_kv's measurement, the f16 reference computed once)
+on --kld-ctx-token chunks of the eval text, the last --kld-scored positions of each.
 
     .venv/bin/python benchmarks/bench_kv.py [--model REF] [--depths 8192,16384] [--types f16,q8_0,q4_0]
         [--rounds 3] [--decode 64] [--threads 2] [--kld] [--kld-ctx 4096]
@@ -33,10 +34,11 @@ from edgeinfer.evaluate import default_eval_text
 model, kv, depth, n_decode, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 lines = []
 with log_capture(lambda level, text: lines.append(text)):
-    engine = edgeinfer.load(model, n_ctx=depth + n_decode + 8, n_threads=threads, kv_type=kv)
+    engine = edgeinfer.load(model, n_ctx=depth, n_threads=threads, kv_type=kv)
 kv_mib = sum(float(m) for m in re.findall(r"KV buffer size =\s*([\d.]+) MiB", "".join(lines)))
 text_ids = engine.tokenize(default_eval_text())
-prompt = (text_ids * (depth // len(text_ids) + 1))[:depth]
+n_prompt = depth - n_decode - 8  # the context holds the prompt and the decoded tokens
+prompt = (text_ids * (n_prompt // len(text_ids) + 1))[:n_prompt]
 opts = edgeinfer.GenerateOptions(max_tokens=n_decode, sampling=edgeinfer.SamplingOptions(temperature=0.0))
 done = engine.generate(prompt, opts).result()
 engine.close()
@@ -52,6 +54,33 @@ def run_child(model: str, kv: str, depth: int, decode: int, threads: int) -> dic
     if r.returncode != 0:
         raise SystemExit(f"{kv} at {depth}: child failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def kv_quality(model: str, types: list[str], ctx: int, scored: int, threads: int) -> list[tuple[float, float, float, int]]:
+    """(KLD, its stderr, same-top, positions) of each type against an f16 cache, as evaluate_kv
+    measures it, but with the f16 reference computed once for every type."""
+    import numpy as np
+
+    import edgeinfer
+    from edgeinfer.evaluate import default_eval_text, log_softmax, make_chunks
+
+    def rows(kv: str) -> list[np.ndarray]:
+        with edgeinfer.load(model, n_ctx=ctx, n_threads=threads, kv_type=kv) as engine:
+            tokens = engine.tokenize(default_eval_text(), add_special=True)
+            bos = engine.tokenize("", add_special=True)
+            chunks = make_chunks(tokens, ctx, None, bos[0] if bos else None)
+            return [log_softmax(engine.logits(c, start=ctx - 1 - scored)[:-1]) for c in chunks]
+
+    ref = rows("f16")
+    out = []
+    for kv in types:
+        lps = ref if kv == "f16" else rows(kv)
+        kld = np.concatenate([(np.exp(r) * (r - lp)).sum(axis=1) for r, lp in zip(ref, lps)])
+        same = np.concatenate([r.argmax(axis=1) == lp.argmax(axis=1) for r, lp in zip(ref, lps)])
+        out.append((float(kld.mean()), float(kld.std(ddof=1) / np.sqrt(kld.size)), float(same.mean()), int(kld.size)))
+        print(f"KLD {kv}: {out[-1][0]:.5f} ± {out[-1][1]:.5f}, same top {out[-1][2]:.4f} ({kld.size} positions)",
+              file=sys.stderr, flush=True)
+    return out
 
 
 def main() -> None:
@@ -88,18 +117,9 @@ def main() -> None:
             med = {k: statistics.median(s[k] for s in samples[t]) for k in ("kv_mib", "prefill_tok_s", "decode_tok_s", "peak_rss_mb")}
             rows.append({"depth": depth, "type": t, **med, "decode_vs_f16": med["decode_tok_s"] / base if base else None})
     if args.kld:
-        from edgeinfer.evaluate import evaluate_kv
-
-        for row in rows:
-            if row["depth"] != depths[0]:
-                continue
-            if row["type"] == "f16":
-                row |= {"kld": 0.0, "same_top": 1.0}
-                continue
-            res = evaluate_kv(model, row["type"], row["type"], ctx=args.kld_ctx, scored=args.kld_scored,
-                              n_threads=args.threads)
-            row |= {"kld": res.kld, "kld_stderr": res.kld_stderr, "same_top": res.same_top, "kld_positions": res.positions}
-            print(f"KLD {row['type']}: {res.kld:.5f} ± {res.kld_stderr:.5f}, same top {res.same_top:.4f}", file=sys.stderr)
+        for row, (kld, se, same, n) in zip((r for r in rows if r["depth"] == depths[0]),
+                                           kv_quality(model, types, args.kld_ctx, args.kld_scored, args.threads)):
+            row |= {"kld": kld, "kld_stderr": se, "same_top": same, "kld_positions": n}
 
     print(f"model {model}, {args.rounds} rounds (medians), decode {args.decode} tokens after the prefill, "
           f"{args.threads} threads" + (f"; KLD at ctx {args.kld_ctx}, last {args.kld_scored} positions" if args.kld else ""))
