@@ -32,8 +32,8 @@ from .gguf_file import GGUFInfo, read_gguf
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["BenchProgress", "BenchResult", "MachineLoad", "SpeculationCosts", "measure_bandwidth", "bytes_per_token",
-           "bench", "bench_many"]
+__all__ = ["BenchProgress", "BenchResult", "DraftCosts", "MachineLoad", "SpeculationCosts", "measure_bandwidth",
+           "bytes_per_token", "bench", "bench_many", "draft_cost_model"]
 
 # Acceptance rates the draft-model table is given for; the depths the cost curve is measured at.
 _ACCEPTANCES = (0.6, 0.7, 0.8, 0.9, 0.95)
@@ -93,6 +93,28 @@ class SpeculationCosts:
 
 
 @dataclass(frozen=True)
+class DraftCosts:
+    """A draft model's cost model against the target: a drafted token costs `cost` target steps
+    (one-token decode times, measured alternating, medians), k-token drafts at per-token acceptance
+    a are expected to speed decoding up by E(k) / (ρ(k+1) + k·cost), E(k) = 1 + a + … + a^k, with ρ
+    the target's measured batch curve at the deeper depth; it pays above acceptance `pays_above`
+    (None: at none), and at acceptance 0.9 a drafted token must cost < `max_cost_at_90` steps."""
+
+    model: str
+    cost: float
+    speedup: dict[float, dict[int, float]]  # acceptance -> k -> expected speed-up
+    pays_above: float | None
+    max_cost_at_90: float
+
+    def summary(self) -> str:
+        at_90 = f"at acceptance 0.9 a drafted token must cost < {self.max_cost_at_90:.2f} steps"
+        if self.pays_above is None:
+            return f"draft {self.model} cannot pay: its token costs {self.cost:.2f} steps ({at_90})"
+        return (f"draft {self.model} pays above acceptance {self.pays_above:.2f} when its token costs "
+                f"{self.cost:.2f} steps ({at_90})")
+
+
+@dataclass(frozen=True)
 class BenchResult:
     model: str
     prompt_tokens: int
@@ -107,6 +129,7 @@ class BenchResult:
     repeats: int
     load: MachineLoad | None = None
     speculation: SpeculationCosts | None = None
+    draft: DraftCosts | None = None
 
     def to_metrics(self) -> dict[str, Any]:
         d = asdict(self)
@@ -159,16 +182,19 @@ def bench(
     save: bool = True,
     save_busy: bool = False,
     speculation: bool = False,
+    draft: str | Path | None = None,
     bandwidth: float | None = None,
 ) -> BenchResult:
     """Prefill and decode tok/s at batch 1 (best of `repeats`), greedy, through the engine; with
-    `speculation`, the batch cost curve too. Saved in the store unless the machine was busy
-    (`save_busy` saves anyway, marked)."""
+    `speculation`, the batch cost curve too; with a `draft` model (implies `speculation`), its cost
+    model (DraftCosts). Saved in the store unless the machine was busy (`save_busy` saves anyway,
+    marked)."""
     from .engine import load
     from .engine.options import GenerateOptions, LoadOptions, SamplingOptions
     from .store import Store
 
     store = store or Store()
+    speculation = speculation or draft is not None
     path, manifest = store.resolve(model)
     info = read_gguf(path)
     bw = bandwidth or measure_bandwidth()
@@ -176,7 +202,7 @@ def bench(
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads)
     best_prefill = best_decode = 0.0
     generated = 0
-    spec_costs = None
+    spec_costs = draft_costs = None
     threads = options.threads
     load_before = MachineLoad.now()
     with load(model=manifest.ref if manifest else str(path), options=options) as engine:
@@ -191,6 +217,8 @@ def bench(
             costs = engine.measure_decode_costs(_prompt_tokens(engine, max(_COST_DEPTHS) + 64), depths=_COST_DEPTHS,
                                                 save=False)
             spec_costs = _speculation_costs(costs)
+            if draft is not None:
+                draft_costs = _draft_costs(engine, costs, draft, options, prompt, gen_options, max(3, repeats))
         machine = MachineLoad(load_before, MachineLoad.now(), os.cpu_count() or 1, threads)
         if speculation and save and (save_busy or not machine.busy):
             engine.save_decode_costs()
@@ -210,6 +238,7 @@ def bench(
         repeats=max(1, repeats),
         load=machine,
         speculation=spec_costs,
+        draft=draft_costs,
     )
     if save and manifest is not None and (save_busy or not machine.busy):
         store.update_metrics(manifest.ref, "bench", result.to_metrics())
@@ -231,6 +260,52 @@ def _speculation_costs(costs: Any) -> SpeculationCosts:
         ceiling[a] = best
     even = {a: round(break_even_draft_cost(costs, a, depth=deep), 3) for a in _ACCEPTANCES}
     return SpeculationCosts(cost=ratio, attention=costs.attention, ceiling=ceiling, draft_break_even=even)
+
+
+def _draft_costs(engine: Any, costs: Any, draft: str | Path, options: Any, prompt: list[int], gen_options: Any,
+                 rounds: int) -> DraftCosts:
+    """Measure a draft model's token cost against the open target engine (alternating decodes of
+    the same prompt, so both see the same machine) and model what its drafts would buy."""
+    from statistics import median
+
+    from .engine import load
+
+    ratios = []
+    with load(model=str(draft), options=options) as d:
+        for _ in range(rounds):
+            t = engine.generate(prompt, gen_options).result().stats.decode_tok_s or 0.0
+            q = d.generate(prompt, gen_options).result().stats.decode_tok_s or 0.0
+            if t > 0 and q > 0:
+                ratios.append(t / q)  # a draft token's time over a target token's
+    return draft_cost_model(costs, str(draft), median(ratios) if ratios else float("inf"))
+
+
+def draft_cost_model(costs: Any, model: str, cost: float, depth: int = max(_COST_DEPTHS)) -> DraftCosts:
+    """What a draft model whose token costs `cost` target steps would buy, from the target's batch
+    curve `costs` (a CostModel) at `depth` (see DraftCosts)."""
+    from .engine.speculation import break_even_draft_cost
+
+    speedup = {}
+    for a in _ACCEPTANCES:
+        e, p, row = 1.0, 1.0, {}
+        for k in range(1, 9):
+            p *= a
+            e += p
+            row[k] = round(e / (costs.ratio(k + 1, depth) + k * cost), 3)
+        speedup[a] = row
+
+    def pays(a: float) -> bool:  # monotone in a
+        return break_even_draft_cost(costs, a, depth=depth) > cost
+
+    pays_above = None
+    if pays(0.999):
+        lo, hi = 0.0, 0.999
+        for _ in range(30):  # bisection for the break-even acceptance
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+        pays_above = round(hi, 3)
+    return DraftCosts(model=model, cost=round(cost, 3), speedup=speedup, pays_above=pays_above,
+                      max_cost_at_90=round(break_even_draft_cost(costs, 0.9, depth=depth), 3))
 
 
 def bench_many(

@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculation", action="store_true",
                    help="also measure the batch cost curve speculative decoding plans with (two context depths), "
                    "the speed-up ceiling it allows and what a draft model's token may cost; kept in the store")
-    p.add_argument("--draft", metavar="MODEL", help="with --speculation: say whether this draft model can pay "
-                   "(its decode speed is measured too)")
+    p.add_argument("--draft", metavar="MODEL", help="model what this draft model's drafts would buy (implies "
+                   "--speculation): its token cost in target steps (measured alternating), the expected speed-up "
+                   "of k-token drafts, the acceptance above which it pays")
     p.add_argument("--save-busy", action="store_true",
                    help="save figures even when the machine was busy (they are marked busy)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -44,12 +45,9 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda e: print(f"… {e.phase} {e.model}".rstrip(), file=sys.stderr, flush=True))
     common = dict(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
                   n_threads=args.threads, save_busy=args.save_busy)
-    results = bench_many(models, speculation=args.speculation, on_progress=progress, **common)
-    draft = bench_many([args.draft], on_progress=progress, **common)[0] if args.draft and args.speculation else None
+    results = bench_many(models, speculation=args.speculation, draft=args.draft, on_progress=progress, **common)
     if args.json:
         out = [asdict(r) | {"busy": bool(r.load and r.load.busy)} for r in results]
-        if draft is not None:
-            out.append(asdict(draft) | {"role": "draft"})
         print(json.dumps(out, indent=2))
         return 0
     bw = results[0].bandwidth_bytes_s if results else 0.0
@@ -58,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, ["model", "prefill tok/s", "decode tok/s", "bytes/token", "roofline tok/s", "of roofline"])
     print(f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s (numpy, best of 5); {results[0].n_threads} threads")
     for r in results:
-        _print_speculation(r, draft)
+        _print_speculation(r)
+        _print_draft(r)
         if r.load is not None:
             note = "" if not r.load.busy else (" — BUSY: other work held the cores; figures not saved"
                                                if not args.save_busy else " — BUSY: saved, marked busy")
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_speculation(r, draft) -> None:
+def _print_speculation(r) -> None:
     s = r.speculation
     if s is None:
         return
@@ -79,6 +78,15 @@ def _print_speculation(r, draft) -> None:
                                                   for a, (g, k) in s.ceiling.items()))
     print("a draft model pays when its token costs less than: "
           + ", ".join(f"{c:.2f} steps above acceptance {a:g}" for a, c in s.draft_break_even.items()))
-    if draft is not None and draft.decode_tok_s > 0:
-        cost = r.decode_tok_s / draft.decode_tok_s
-        print(f"draft {draft.model}: {s.draft_verdict(cost)}")
+
+
+def _print_draft(r) -> None:
+    d = r.draft
+    if d is None:
+        return
+    ks = list(next(iter(d.speedup.values())))
+    print(f"\ndraft {d.model}: a drafted token costs {d.cost:.2f} target steps (measured alternating); expected "
+          "speed-up of k-token drafts (target's batch curve at the deeper depth)")
+    print_table([[f"acceptance {a:g}"] + [f"{x:.2f}×" for x in row.values()] for a, row in d.speedup.items()],
+                ["k"] + [str(k) for k in ks])
+    print(d.summary())
