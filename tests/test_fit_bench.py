@@ -87,13 +87,32 @@ def test_bench_default_model(capsys: pytest.CaptureFixture[str]):
     from edgeinfer import Store
     from edgeinfer.cli import main
 
-    assert main(["bench", "--prompt-tokens", "32", "--decode-tokens", "8", "--repeats", "1", "--json"]) == 0
+    # --save-busy: this machine may be shared right now; the figures are then saved marked busy.
+    assert main(["bench", "--prompt-tokens", "32", "--decode-tokens", "8", "--repeats", "1", "--json",
+                 "--save-busy"]) == 0
     (r,) = json.loads(capsys.readouterr().out)
     assert r["model"] == "smollm2-135m-instruct:q4_1"
     assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["prompt_tokens"] == 32
     assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_bytes_s"] / r["bytes_per_token"])
     assert 0 < r["roofline_fraction"] < 3  # decode cannot be far beyond the memory roofline
-    assert Store().get("smollm2-135m-instruct:q4_1").metrics["bench"]["decode_tok_s"] == r["decode_tok_s"]
+    saved = Store().get("smollm2-135m-instruct:q4_1").metrics["bench"]
+    assert saved["decode_tok_s"] == r["decode_tok_s"] and saved["busy"] == r["busy"]
+    assert r["load"]["before"] >= 0 and r["load"]["threads"] >= 1
+
+
+@pytest.mark.slow
+def test_bench_on_a_busy_machine_saves_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    import json
+
+    import edgeinfer.bench
+    from edgeinfer import Store
+    from edgeinfer.cli import main
+
+    monkeypatch.setattr(edgeinfer.bench.MachineLoad, "now", staticmethod(lambda: 40.0))  # 40 runnable processes
+    assert main(["bench", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["busy"] is True
+    assert "bench" not in Store().get("smollm2-135m-instruct:q4_1").metrics
 
 
 @pytest.mark.slow
