@@ -11,6 +11,9 @@ on --kld-ctx-token chunks of the eval text, the last --kld-scored positions of e
     .venv/bin/python benchmarks/bench_kv.py [--model REF] [--depths 8192,16384] [--types f16,q8_0,q4_0]
         [--rounds 3] [--decode 64] [--threads 2] [--kld] [--kld-ctx 4096]
 
+On a shared machine use --threads 1: with two threads on two busy cores an 8k prefill of the
+default model ran at 8.8 tok/s and decode at 0.1 tok/s (2026-12-01, load 10-14).
+
 llama.cpp's published figure for comparison: a q8_0 K+V cache costs LLaMA-3-8B a KLD of about 0.0016
 against f16 (llama.cpp PR #7412's perplexity/KLD table).
 """
