@@ -8,13 +8,14 @@ The CLI uses only edgeinfer's public API. Errors become one line on stderr and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import pkgutil
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -45,16 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(verbosity: int, debug: bool) -> None:
+@contextlib.contextmanager
+def _logging_to_stderr(verbosity: int, debug: bool) -> Iterator[None]:
     """The library logs through `logging` and stays quiet by default; -v shows its diagnostics,
-    -vv (or --debug) also llama.cpp's own log lines (logger `edgeinfer.llama_cpp`, DEBUG level)."""
+    -vv (or --debug) also llama.cpp's own log lines (logger `edgeinfer.llama_cpp`, DEBUG level).
+    Set for one command and restored after it: main() also runs inside other programs and tests."""
     level = logging.DEBUG if verbosity >= 2 or debug else logging.INFO if verbosity == 1 else logging.WARNING
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    root = logging.getLogger("edgeinfer")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
+    handler.setLevel(level)
+    logger = logging.getLogger("edgeinfer")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, saved_level or logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False)) or bool(os.environ.get("EDGEINFER_DEBUG"))
-    _configure_logging(int(getattr(args, "verbose", 0) or 0), debug)
     try:
-        code = args.func(args)
+        with _logging_to_stderr(int(getattr(args, "verbose", 0) or 0), debug):
+            code = args.func(args)
         return int(code or 0)
     except KeyboardInterrupt:
         if debug:

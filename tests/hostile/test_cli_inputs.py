@@ -241,10 +241,23 @@ def test_full_disk_during_quantize_reads_no_space_left(small_fs, tmp_path, monke
 
     src = make_synthetic_gguf(tmp_path / "synthetic-f16.gguf", n_embd=256, n_layer=1)
     monkeypatch.setenv("EDGEINFER_HOME", str(small_fs / "home"))
-    fill_once, filled = _filler(small_fs)
+    # Another process takes the disk right after the free-space check: llama.cpp's own writes fail.
+    # (Filling it from the progress callback would race: the quantizer runs in a child process and
+    # a model this small is written before the parent reads its first progress line.)
+    import edgeinfer.quantize as quantize_module
+
+    checked = []
+    real_check = quantize_module.ensure_free_space
+
+    def check_then_fill(*args, **kwargs):
+        real_check(*args, **kwargs)
+        checked.append(True)
+        _fill(small_fs)
+
+    monkeypatch.setattr(quantize_module, "ensure_free_space", check_then_fill)
     with pytest.raises(DiskSpaceError, match=f"no space left on {small_fs} while writing .*q8_0.gguf"):
-        quantize_model(src, "Q8_0", on_progress=fill_once, n_threads=2)
-    assert filled
+        quantize_model(src, "Q8_0", n_threads=2)
+    assert checked
     models = small_fs / "home" / "models"
     assert not models.exists() or [p for p in models.rglob("*") if p.is_file()] == []
     (small_fs / "filler").unlink()
