@@ -84,7 +84,7 @@ def run_binding_lookup(llm, prompt_tokens: list[int], n: int) -> tuple[float, li
 
 def lossless_verdict(engine, prompt: list[int], plain: list[int], other: list[int] | None) -> str | None:
     """'yes', or where the outputs part and the top-2 logit margin there in a fresh context: a
-    near-tie means batch-shape rounding (DESIGN.md), a large margin would mean a bug."""
+    near-tie means batch-shape rounding (llama.cpp's logits differ in the last bits between batch sizes), a large margin would mean a bug."""
     import numpy as np
 
     if not other:

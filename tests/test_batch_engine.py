@@ -1,8 +1,8 @@
 """BatchEngine: parallel sequences in one context answer as a single-sequence Engine does.
 
 Token-for-token comparisons across batch shapes use an F16 copy of the default model (its batched
-and one-token paths round alike; Q4_1's do not, see DESIGN.md). Where a batched output still parts
-from the lone one, the test requires a near-tie there and prints the top-2 margin.
+and one-token paths round alike; Q4_1's logits differ in the last bits between batch sizes). Where
+a batched output still parts from the lone one, the test requires a near-tie there and prints the top-2 margin.
 """
 
 from __future__ import annotations

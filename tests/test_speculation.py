@@ -44,7 +44,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def f16_path(tmp_path_factory, default_model_path) -> Path:
     """The default model requantized to F16 by llama.cpp: its batched and one-token paths round
-    alike, so greedy outputs can be compared token for token (Q4_1's cannot, see DESIGN.md)."""
+    alike, so greedy outputs can be compared token for token (Q4_1's cannot: its batched path rounds differently)."""
     from edgeinfer.quantize import quantize_model
 
     store = Store(tmp_path_factory.mktemp("spec-store"))
