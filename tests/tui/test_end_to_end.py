@@ -64,7 +64,8 @@ def test_after_a_cancelled_reply_the_next_answer_is_the_history_s_own(default_mo
     from edgeinfer_tui.settings import ChatSettings
     from edgeinfer_tui.widgets import MessageView
 
-    settings = ChatSettings(temperature=0.0, max_tokens=48)
+    # room for a long first reply, so that Esc lands in its middle even on a slow, busy machine
+    settings = ChatSettings(temperature=0.0, max_tokens=400)
     store = ChatStore(db_path)
     store.create_chat(settings=settings.to_dict())
     store.close()
@@ -75,7 +76,7 @@ def test_after_a_cancelled_reply_the_next_answer_is_the_history_s_own(default_mo
         async with app.run_test(size=(100, 30)) as pilot:
             view = app.chat_view
             await wait_for(pilot, lambda: view.chat is not None)
-            view.chat_input.text = "List ten fruits, one per line."
+            view.chat_input.text = "List fifty fruits, one per line, numbered."
             await pilot.press("enter")
             await wait_for(pilot, lambda: len(view.messages_view.query(MessageView)) == 2
                            and len(view.messages_view.query(MessageView).last().content) > 20, timeout=120, what="part of a list")
