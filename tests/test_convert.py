@@ -82,6 +82,7 @@ def test_convert_registers_model_with_identified_pre_tokenizer(small_models, arc
     assert Store().get(f"tiny-{arch}:f16").sha256 == m.sha256
 
 
+@pytest.mark.slow
 def test_default_outtype_follows_source_dtype_and_q8_0(tmp_path):
     src = make_random_hf_model(tmp_path / "bf", "llama", **{**SMALL, "dtype": "bfloat16"}, tied=False)
     r = convert_model(src)
@@ -94,6 +95,7 @@ def test_default_outtype_follows_source_dtype_and_q8_0(tmp_path):
     assert qt["blk.0.ffn_down.weight"] == "Q8_0" and qt["output_norm.weight"] == "F32"
 
 
+@pytest.mark.slow
 def test_output_file_is_external_and_sharded_equals_single(small_models, tmp_path):
     single = convert_model(small_models["llama"], "f32", tmp_path / "single.gguf")
     assert single.manifest is not None and not single.manifest.owned
@@ -108,6 +110,7 @@ def test_output_file_is_external_and_sharded_equals_single(small_models, tmp_pat
         assert da[ta.offset : ta.offset + ta.n_bytes] == db[tb.offset : tb.offset + tb.n_bytes], ta.name
 
 
+@pytest.mark.slow
 def test_llama3_rope_scaling_writes_rope_freqs(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -264,6 +267,7 @@ def test_nan_and_inf_weights_warn_naming_the_tensor(model):
     assert len(r.warnings) == 2 and r.path.exists()
 
 
+@pytest.mark.slow
 def test_interrupt_mid_conversion_leaves_store_as_it_was(model):
     first = convert_model(model, "f16")  # an existing model of the same name:tag must survive
     before = _store_files()
@@ -294,6 +298,7 @@ def test_cancel_event_raises_cancelled(model, tmp_path):
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_convert(model, capsys):
     assert main(["convert", str(model), "--outtype", "q8_0", "--name", "cli-model"]) == 0
     out = capsys.readouterr().out
@@ -310,6 +315,7 @@ def test_cli_convert_errors_are_one_line(model, capsys):
     assert "no such model folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_nan_warning_is_printed(model, capsys):
     f = SafetensorsFile(model / "model.safetensors")
     tensors = {n: f.array(n).astype(np.float32) for n in f.tensors}
@@ -322,6 +328,7 @@ def test_cli_nan_warning_is_printed(model, capsys):
     assert "edgeinfer: warning: tensor model.norm.weight has NaN or Inf values" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_values_too_large_for_f16_warn(model):
     f = SafetensorsFile(model / "model.safetensors")
     tensors = {n: f.array(n).astype(np.float32) for n in f.tensors}
@@ -350,6 +357,7 @@ def test_damaged_sentencepiece_model(model):
         convert_model(model)
 
 
+@pytest.mark.slow
 def test_converter_imports_no_ml_framework():
     import subprocess
     import sys
@@ -363,6 +371,7 @@ def test_converter_imports_no_ml_framework():
     assert out == ""
 
 
+@pytest.mark.slow
 def test_output_file_does_not_take_over_another_models_name(model, tmp_path):
     owned = convert_model(model, "f16")
     with pytest.raises(ConversionError, match="tiny-llama:f16 is already in the store"):

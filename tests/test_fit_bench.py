@@ -41,6 +41,7 @@ def test_fit_cli_exit_codes(capsys: pytest.CaptureFixture[str]):
     assert main(["fit", "--ctx", "2048", "--kv-type", "q9"]) == 1
 
 
+@pytest.mark.slow
 def test_recommend_picks_by_measured_quality(synthetic_f16: Path, capsys: pytest.CaptureFixture[str]):
     from edgeinfer import Store
     from edgeinfer.cli import main
@@ -66,6 +67,7 @@ def test_recommend_picks_by_measured_quality(synthetic_f16: Path, capsys: pytest
     assert f"recommended: {refs['Q8_0']}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bandwidth_and_bytes_per_token(default_model_path: Path, tmp_path: Path):
     from edgeinfer import read_gguf
     from edgeinfer.bench import bytes_per_token, measure_bandwidth

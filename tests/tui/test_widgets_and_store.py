@@ -65,6 +65,7 @@ def test_last_code_block_and_spans():
     assert spans == [(0, 5), (7, 8)]
 
 
+@pytest.mark.slow
 def test_view_does_not_jump_while_the_user_scrolls_back(make_app, backend):
     from edgeinfer_tui.widgets import MessageView
 
