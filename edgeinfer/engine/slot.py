@@ -45,6 +45,7 @@ class RequestSlot:
         self._holder_thread: int | None = None
         self._holder_handle: weakref.ref[Any] | None = None
         self.closed = False
+        self._closing = False  # set before the holder is stopped: no waiter may slip in meanwhile
 
     def acquire(self, request: object, handle: weakref.ref[Any] | None = None,
                 cancelled: Callable[[], bool] = lambda: False) -> bool:
@@ -55,10 +56,12 @@ class RequestSlot:
         """
         self._settle_own_thread()
         while not self._lock.acquire(timeout=0.05):
+            if self._closing:
+                raise EngineClosedError("this engine is closed")
             if cancelled():
                 return False
         with self._meta:
-            if self.closed:
+            if self.closed or self._closing:
                 self._lock.release()
                 raise EngineClosedError("this engine is closed")
             self._holder, self._holder_thread, self._holder_handle = request, threading.get_ident(), handle
@@ -118,8 +121,9 @@ class RequestSlot:
         """Stop the holder (cancel it, close it when suspended), wait for the slot, then free the
         runtime with `free()`. Whoever waits for the slot afterwards gets EngineClosedError."""
         with self._meta:
-            if self.closed:
+            if self.closed or self._closing:
                 return
+            self._closing = True  # a request waiting for the slot must not take it when the holder lets go
             handle = self._holder_handle
         generation = handle() if handle is not None else None
         if generation is not None:
