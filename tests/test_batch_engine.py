@@ -19,8 +19,8 @@ import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions, Store
 from edgeinfer.engine.batch import plan_drafts
 from edgeinfer.engine.speculation.policy import CostModel
+from greedy_compare import assert_same_or_near_tie
 
-NEAR_TIE = 0.05  # logits: a top-2 margin below this may flip with the batch shape
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -77,26 +77,6 @@ def f16_single(f16_path):
     engine = edgeinfer.load(f16_path, n_ctx=2048, flash_attn=False)
     yield engine
     engine.close()
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def assert_same_or_near_tie(single: edgeinfer.Engine, prompt: list[int], alone: list[int], batched: list[int]) -> None:
-    i = first_divergence(alone, batched)
-    if i is None:
-        return
-    if i >= min(len(alone), len(batched)):
-        pytest.fail(f"outputs of different lengths agree up to {i} tokens but one stops there")
-    row = single.logits(prompt + alone[:i], start=len(prompt) + i - 1)[0]
-    top2 = np.sort(row)[-2:]
-    margin = float(top2[1] - top2[0])
-    print(f"batched output parts from the lone one at token {i}: top-2 margin {margin:.4f}")
-    assert margin < NEAR_TIE, f"batched output differs at token {i} where the top-2 margin is {margin:.4f}"
 
 
 # -- the draft policy (pure: no model) --------------------------------------------------------------

@@ -18,7 +18,8 @@ import pytest
 
 import edgeinfer
 from edgeinfer_server import ServerConfig, check_credentials, create_app, is_loopback
-from test_batch_engine import NEAR_TIE, f16_path  # noqa: F401  (a session fixture shared with the engine tests)
+from greedy_compare import NEAR_TIE
+from test_batch_engine import f16_path  # noqa: F401  (a session fixture shared with the engine tests)
 
 openai = pytest.importorskip("openai")
 

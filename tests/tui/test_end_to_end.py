@@ -4,6 +4,7 @@ library's own greedy reply to the same conversation and options."""
 from __future__ import annotations
 
 import pytest
+from greedy_compare import assert_same_or_near_tie
 from tui_helpers import run, wait_for
 
 
@@ -70,7 +71,7 @@ def test_after_a_cancelled_reply_the_next_answer_is_the_history_s_own(default_mo
     store.create_chat(settings=settings.to_dict())
     store.close()
     app = EdgeInferApp(LibraryBackend(edgeinfer.LoadOptions(n_ctx=2048)), db_path=db_path, config=TuiConfig())
-    answers: list[str] = []
+    answers: list[tuple[str, list[int]]] = []
 
     async def main():
         async with app.run_test(size=(100, 30)) as pilot:
@@ -89,14 +90,19 @@ def test_after_a_cancelled_reply_the_next_answer_is_the_history_s_own(default_mo
                     view.chat_input.text = "Repeat this list: apple, banana, cherry."
                 await pilot.press(key)
                 await wait_for(pilot, lambda: view.last_done is not None, timeout=120, what="the answer")
-                answers.append(view.last_done.text)
+                answers.append((view.last_done.text, view.last_done.tokens))
 
     run(main())
     history = ChatStore(db_path).messages(1)
     assert [m.role for m in history] == ["user", "assistant", "user", "assistant"]
     assert history[1].stats["finish_reason"] == "cancelled"
     turns = [(m.role, m.content) for m in history[:3]]
+    # The chat's engine reuses the cached prefix, so the new turn enters in other batch shapes than
+    # in a fresh engine; Q4_1 rounds differently between them, and where the cancelled text leaves a
+    # near-tie the two may part (seen once in CI: 'Cherry' vs 'Grape'). Anywhere else they must agree.
     with edgeinfer.load(default_model_path, n_ctx=2048) as engine:
-        fresh = engine.chat(settings.messages(turns), settings.to_options()).result().text
-    assert answers == [fresh, fresh]
-    assert history[3].content == fresh
+        prompt = engine.chat_tokens(settings.messages(turns))
+        fresh = engine.chat(settings.messages(turns), settings.to_options()).result()
+        for _text, tokens in answers:
+            assert_same_or_near_tie(engine, prompt, fresh.tokens, tokens)
+    assert history[3].content == answers[1][0]
