@@ -12,19 +12,16 @@ into a second checkpoint (embeddings stay bf16), which is what gets converted; M
     .venv/bin/python benchmarks/bench_convert.py [--keep DIR] [--outtypes f16,q8_0] [--layers 16]
         [--source bf16|fp8|awq]
 
---direct-quality instead measures what `--outtype auto` saves: a small random llama (dims multiples
-of 256, the default model's vocabulary) quantized as AWQ (4-bit, asymmetric, groups of 128) is
-converted (a) straight into Q4_1 blocks and (b) dequantized to F16 and re-quantized by llama.cpp to
-Q4_1 and Q4_K_M (embeddings Q8_0 everywhere, as auto writes them); `eval` compares each with the
-dequantized F16 (KLD, same-top on the eval text).
+Besides ru_maxrss, the child samples /proc/self/status every 2 ms: the peaks of RssAnon (heap: what
+the converter allocates) and RssFile (pages of the memory-mapped checkpoint, which the kernel can drop
+at will; not a leak). --tracemalloc also reports the peak of the buffers numpy holds at once (it
+reports its allocations to tracemalloc), which tells the converter's own arrays apart from what the C
+allocator keeps.
 
-    .venv/bin/python benchmarks/bench_convert.py --direct-quality [--hidden 1024] [--layers 4]
+With --keep DIR the checkpoints are built in DIR (and DIR-fp8 / DIR-awq) once and reused by later runs.
 
-Caveat (2026-12-01): the random model's next-token distributions are nearly one-hot at hidden 1024,
-so every path measured KLD 0.00000 and 100 % same-top: the eval needs weights with realistic
-distributions (e.g. an HF export of a real model) to tell the paths apart. At the weight level the
-direct path's error vs the dequantized checkpoint is the f16 rounding of m: RMS 8.2e-6 against
-1.56e-3 for dequantize -> Q4_1 (AWQ g128, weights of RMS 0.02).
+What `--outtype auto` saves against dequantize -> requantize is measured on real weights by
+benchmarks/bench_direct_quant.py.
 """
 
 from __future__ import annotations
@@ -46,19 +43,35 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 CHILD = r"""
-import json, resource, sys, time, warnings
+import json, resource, sys, threading, time, tracemalloc
 from edgeinfer.convert import convert_model
-def rss_kb():
+def status():
+    out = {}
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-before = rss_kb()
+        k, _, v = line.partition(":")
+        if k in ("VmRSS", "RssAnon", "RssFile"):
+            out[k] = int(v.split()[0])
+    return out
+peaks, stop = {}, threading.Event()
+def sample():
+    while not stop.is_set():
+        for k, v in status().items():
+            peaks[k] = max(peaks.get(k, 0), v)
+        stop.wait(0.002)
+before = status()
+if sys.argv[4] == "1":
+    tracemalloc.start()
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
 t0 = time.perf_counter()
 r = convert_model(sys.argv[1], sys.argv[2], sys.argv[3], register=False)
 dt = time.perf_counter() - t0
+stop.set(); sampler.join()
 ru = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"seconds": dt, "cpu_seconds": ru.ru_utime + ru.ru_stime, "source_bytes": r.source_bytes, "output_bytes": r.output_bytes,
-                  "rss_before_kb": before, "peak_rss_kb": ru.ru_maxrss}))
+print(json.dumps({"seconds": dt, "cpu_seconds": ru.ru_utime + ru.ru_stime, "source_bytes": r.source_bytes,
+                  "output_bytes": r.output_bytes, "rss_before_kb": before["VmRSS"], "anon_before_kb": before["RssAnon"],
+                  "peak_rss_kb": ru.ru_maxrss, "peak_anon_kb": peaks.get("RssAnon", 0), "peak_file_kb": peaks.get("RssFile", 0),
+                  "traced_peak": tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else None}))
 """
 
 
@@ -117,6 +130,15 @@ def write_synthetic_llama(folder: Path, layers: int, seed: int = 0) -> tuple[int
     return params, largest
 
 
+def _kept_sizes(folder: Path) -> tuple[int, int]:
+    """(parameters, largest tensor bytes) of a checkpoint an earlier run wrote."""
+    with open(folder / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    sizes = [math.prod(spec["shape"]) for spec in header.values()]
+    return sum(sizes), max(sizes) * 2
+
+
 def quantize_checkpoint(src: Path, dst: Path, fmt: str) -> int:
     """Quantize every decoder linear layer of `src` (written above) into `dst`, one tensor in memory at a
     time (data to a side file, then header + data); returns the largest stored tensor's bytes."""
@@ -166,43 +188,9 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str) -> int:
     return largest
 
 
-def direct_quality(hidden: int, layers: int, threads: int) -> None:
-    """Direct Q4_1 vs dequantize -> requantize, each evaluated against the dequantized F16."""
-    os.environ["EDGEINFER_HOME"] = tempfile.mkdtemp(prefix="bench-direct-home-")
-    from hf_models import make_random_hf_model
-    from quant_checkpoints import quantize_folder
-
-    from edgeinfer.cli._common import print_table
-    from edgeinfer.convert import convert_model
-    from edgeinfer.evaluate import evaluate_many
-    from edgeinfer.quantize import quantize_model
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-direct-"))
-    try:
-        src = make_random_hf_model(tmp / "float", "llama", hidden=hidden, layers=layers, heads=hidden // 64,
-                                   kv_heads=hidden // 256, intermediate=3 * hidden, seed=11)
-        quantize_folder(src, tmp / "awq", "awq", group=128)
-        ref = convert_model(tmp / "awq", "f16", name="direct-bench").manifest.ref
-        direct = convert_model(tmp / "awq", "auto", name="direct-bench")
-        worst = max(d.max_error for d in direct.direct)
-        refs = {f"auto: direct {direct.direct[0].qtype} (max |err| {worst:.2g})": direct.manifest.ref}
-        for q in ("Q4_1", "Q4_K_M"):
-            r = quantize_model(ref, q, output_type="Q8_0", embedding_type="Q8_0", tag=f"requant-{q.lower()}")
-            refs[f"dequantize -> {q}"] = r.manifest.ref
-        results = evaluate_many(list(refs.values()), ref, ctx=512, n_threads=threads, save=False)
-        rows = [[label, f"{r.kld:.5f} ± {r.kld_stderr:.5f}", f"{r.same_top * 100:.2f}", f"{r.ppl_ratio:.4f}"]
-                for label, r in zip(refs, results)]
-        print(f"random llama hidden {hidden}, {layers} layers, AWQ 4-bit g128 asymmetric; reference: its dequantized F16; "
-              f"{results[0].positions} positions of the eval text at ctx 512")
-        print_table(rows, ["path", "KLD vs dequantized", "same-top %", "PPL ratio"])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(os.environ["EDGEINFER_HOME"], ignore_errors=True)
-
-
-def run_child(src: Path, outtype: str, out: Path) -> dict:
+def run_child(src: Path, outtype: str, out: Path, trace: bool = False) -> dict:
     env = dict(os.environ, EDGEINFER_HOME=str(out.parent / "home"))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(src), outtype, str(out)], env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(src), outtype, str(out), "1" if trace else "0"], env=env,
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"conversion to {outtype} failed:\n{proc.stderr}")
@@ -216,13 +204,8 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, help="build the checkpoint here and keep it")
     ap.add_argument("--source", choices=["bf16", "fp8", "awq"], default="bf16",
                     help="checkpoint format to convert (fp8/awq: quantized from the synthetic bf16 one)")
-    ap.add_argument("--direct-quality", action="store_true", help="measure --outtype auto's direct path instead")
-    ap.add_argument("--hidden", type=int, default=1024, help="--direct-quality: hidden size (a multiple of 256)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tracemalloc", action="store_true", help="also report the peak of numpy's live buffers (slower)")
     args = ap.parse_args()
-    if args.direct_quality:
-        direct_quality(args.hidden, args.layers if args.layers != 16 else 4, args.threads)
-        return 0
     from edgeinfer.cli._common import print_table
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.keep.parent if args.keep else None))
@@ -230,23 +213,31 @@ def main() -> int:
     src.mkdir(parents=True, exist_ok=True)
     try:
         t = time.perf_counter()
-        params, largest = write_synthetic_llama(src, args.layers)
+        if args.keep and (src / "config.json").is_file():
+            params, largest = _kept_sizes(src)
+            how = "kept from an earlier run"
+        else:
+            params, largest = write_synthetic_llama(src, args.layers)
+            how = f"written in {time.perf_counter() - t:.0f}s"
         size = (src / "model.safetensors").stat().st_size
         print(f"synthetic llama: {params / 1e9:.2f}B parameters, {size / 1e9:.2f} GB bf16, largest tensor "
-              f"{largest / 1e6:.0f} MB (token_embd), written in {time.perf_counter() - t:.0f}s", flush=True)
+              f"{largest / 1e6:.0f} MB (token_embd), {how}", flush=True)
         if args.source != "bf16":
             t = time.perf_counter()
-            qsrc = tmp / f"synthetic-llama-1b-{args.source}"
-            quantize_checkpoint(src, qsrc, args.source)
-            if not args.keep:
-                shutil.rmtree(src)
+            qsrc = src.with_name(f"{src.name}-{args.source}") if args.keep else tmp / f"synthetic-llama-1b-{args.source}"
+            if not (args.keep and (qsrc / "config.json").is_file()):
+                quantize_checkpoint(src, qsrc, args.source)
+                if not args.keep:
+                    shutil.rmtree(src)
+                how = f"quantized in {time.perf_counter() - t:.0f}s"
+            else:
+                how = "kept from an earlier run"
             src = qsrc
-            print(f"{args.source} checkpoint: {(src / 'model.safetensors').stat().st_size / 1e9:.2f} GB, "
-                  f"quantized in {time.perf_counter() - t:.0f}s", flush=True)
+            print(f"{args.source} checkpoint: {(src / 'model.safetensors').stat().st_size / 1e9:.2f} GB, {how}", flush=True)
         rows = []
         for outtype in args.outtypes.split(","):
             out = tmp / f"out-{outtype}.gguf"
-            r = run_child(src, outtype, out)
+            r = run_child(src, outtype, out, args.tracemalloc)
             out.unlink()
             peak = r["peak_rss_kb"] * 1024
             base = r["rss_before_kb"] * 1024
@@ -257,13 +248,17 @@ def main() -> int:
                 f"{r['source_bytes'] / 1e6 / r['seconds']:.0f}",
                 f"{r['output_bytes'] / 1e9:.2f}",
                 f"{peak / 1e6:.0f}",
+                f"{r['peak_anon_kb'] * 1024 / 1e6:.0f}",
+                f"{r['peak_file_kb'] * 1024 / 1e6:.0f}",
+                "–" if r["traced_peak"] is None else f"{r['traced_peak'] / 1e6:.0f}",
                 f"{base / 1e6:.0f}",
                 f"{peak / largest:.2f}",
                 f"{(peak - base) / largest:.2f}",
             ])
             print(f"  {outtype}: done", flush=True)
         print()
-        print_table(rows, ["OUTTYPE", "WALL S", "CPU S", "MB/S (src, wall)", "OUT GB", "PEAK RSS MB", "RSS AT START MB",
+        print_table(rows, ["OUTTYPE", "WALL S", "CPU S", "MB/S (src, wall)", "OUT GB", "PEAK RSS MB", "PEAK ANON MB", "PEAK FILE MB",
+                           "NUMPY PEAK MB", "RSS AT START MB",
                            "PEAK/LARGEST", "(PEAK-START)/LARGEST"])
         print(f"\nload average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (wall time depends on it, CPU time less)")
         print(f"largest tensor: {largest / 1e6:.0f} MB (bf16 source); target: peak <= 2x largest + 300 MB "
