@@ -19,11 +19,19 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def run(model: str | None = None, *, db_path: Path | None = None, load_options=None) -> int:
-    """Run the chat app in this terminal; returns an exit code."""
+def run(
+    model: str | None = None,
+    *,
+    db_path: Path | None = None,
+    load_options=None,
+    kv_types: tuple[str, str] | None = None,
+) -> int:
+    """Run the chat app in this terminal; returns an exit code. `load_options`: context and
+    threads of every load; `kv_types`: the (K, V) cache types the open chat starts with (None: the
+    types saved with it)."""
     from .app import EdgeInferApp
     from .backend import LibraryBackend
 
-    app = EdgeInferApp(LibraryBackend(load_options), model=model, db_path=db_path)
+    app = EdgeInferApp(LibraryBackend(load_options), model=model, kv_types=kv_types, db_path=db_path)
     app.run()
     return int(app.return_code or 0)

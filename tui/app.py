@@ -25,7 +25,7 @@ from .chat_store import ChatStore
 from .chat_view import ChatView
 from .config import ACTIONS, TuiConfig, load_config
 from .modals.help import HelpScreen
-from .model_host import ModelHost
+from .model_host import ModelHost, ModelKey
 
 __all__ = ["EdgeInferApp"]
 
@@ -33,11 +33,12 @@ _HELP = next(a for a in ACTIONS if a.id == "help")
 
 
 class ModelReady(TMessage):
-    """The model loaded (error: it did not); speculation_error: its speculation could not be prepared."""
+    """The model `wanted` loaded as `ref` (error: it did not); speculation_error: its speculation
+    could not be prepared."""
 
-    def __init__(self, ref: str | None, error: str | None = None, speculation_error: str | None = None):
+    def __init__(self, wanted: ModelKey, ref: str | None, error: str | None = None, speculation_error: str | None = None):
         super().__init__()
-        self.ref, self.error, self.speculation_error = ref, error, speculation_error
+        self.wanted, self.ref, self.error, self.speculation_error = wanted, ref, error, speculation_error
 
 
 class ModelPreparing(TMessage):
@@ -60,14 +61,18 @@ class EdgeInferApp(App[None]):
         backend: Backend | None = None,
         *,
         model: str | None = None,
+        kv_types: tuple[str, str] | None = None,
         db_path: Path | None = None,
         config: TuiConfig | None = None,
     ):
+        """`model` and `kv_types` (K, V cache types): what `edgeinfer chat` asked for, given to the
+        open chat (None: the chat's own)."""
         super().__init__()
         self.backend: Backend = backend or LibraryBackend()
         self.models = ModelHost(self.backend)
         self.config = config if config is not None else load_config()
         self.initial_model = model
+        self.initial_kv_types = kv_types
         self.db_path = db_path
         self.store: ChatStore | None = None
         self._chat_screen: ChatScreen | None = None
@@ -85,7 +90,9 @@ class EdgeInferApp(App[None]):
         except Exception as e:  # noqa: BLE001 - a broken database must not lose the app
             self.notify(f"chat history unavailable: {one_line(e)}", severity="error", timeout=10)
             self.store = ChatStore(Path(":memory:"))
-        self._chat_screen = ChatScreen(self.store, self.models, self.config, initial_model=self.initial_model)
+        self._chat_screen = ChatScreen(
+            self.store, self.models, self.config, initial_model=self.initial_model, initial_kv_types=self.initial_kv_types
+        )
         self.push_screen(self._chat_screen)
         if self.config.error:
             self.notify(self.config.error, severity="warning", timeout=10)
@@ -101,16 +108,17 @@ class EdgeInferApp(App[None]):
 
     # -- models ----------------------------------------------------------------------------------
     def on_chat_screen_model_wanted(self, message: ChatScreen.ModelWanted) -> None:
-        self.preload_model(message.ref, message.speculation)
+        self.preload_model(ModelKey(message.ref, message.kv_types), message.speculation)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="load")
-    def preload_model(self, ref: str, speculation: SpeculationOptions | None = None) -> None:
-        """Load `ref` and prepare `speculation` on it (a self-draft is made on first use), so the
-        first reply does not wait for either; a newer request cancels the preparation."""
+    def preload_model(self, wanted: ModelKey, speculation: SpeculationOptions | None = None) -> None:
+        """Load the model `wanted` (its ref with its KV-cache types) and prepare `speculation` on
+        it (a self-draft is made on first use), so the first reply does not wait for either; a
+        newer request cancels the preparation."""
         try:
-            loaded = self.models.ensure_loaded(ref)
+            loaded = self.models.ensure_loaded(wanted.ref, wanted.kv_types)
         except Exception as e:  # noqa: BLE001
-            self.post_message(ModelReady(None, one_line(e)))
+            self.post_message(ModelReady(wanted, None, one_line(e)))
             return
         worker = get_current_worker()
         speculation_error = None
@@ -125,17 +133,19 @@ class EdgeInferApp(App[None]):
                 if worker.is_cancelled:
                     return
                 speculation_error = one_line(e)
-        self.post_message(ModelReady(loaded.ref, speculation_error=speculation_error))
+        self.post_message(ModelReady(wanted, loaded.ref, speculation_error=speculation_error))
 
     def on_model_preparing(self, message: ModelPreparing) -> None:
         self.chat_view.show_preparing(message.ref, message.progress)
 
     def on_model_ready(self, message: ModelReady) -> None:
         if message.error:
-            self.notify(message.error, title="Model", severity="error", timeout=10)
+            error = self.chat_view.show_load_failure(message.wanted, message.error)
+            self.notify(error, title="Model", severity="error", timeout=10)
+            return
         if message.speculation_error:
             self.notify(message.speculation_error, title="Speculation", severity="warning", timeout=10)
-        self.chat_view.show_model_state(message.ref, message.error)
+        self.chat_view.show_model_state(message.ref, kv_types=message.wanted.kv_types)
 
     # -- screens ---------------------------------------------------------------------------------
     def action_help(self) -> None:

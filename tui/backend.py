@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -17,7 +17,7 @@ import edgeinfer
 from edgeinfer import DownloadProgress, PullPlan, PullStage, pull
 from edgeinfer.convert import ConvertProgress, convert_model
 from edgeinfer.evaluate import EvalProgress, evaluate
-from edgeinfer.fit import available_memory, fit
+from edgeinfer.fit import FitReport, available_memory, fit
 from edgeinfer.hub import DEFAULT_QUANT
 from edgeinfer.quantize import QuantizeProgress, quantize_model
 
@@ -60,9 +60,15 @@ class ModelEntry:
     same_top: float | None = None  # percent
     ppl: float | None = None
     tok_s: float | None = None
-    fits: bool | None = None
+    fits: bool | None = None  # at the chat's context and KV-cache types
     name: str = ""
     derived_from: str | None = None
+    # edgeinfer.fit's KV-cache bytes at n_ctx tokens: for the chat's (K, V) types, and for every
+    # type (K = V) so the picker shows what quantizing the cache saves. Empty: the file is unreadable.
+    n_ctx: int | None = None
+    kv_types: tuple[str, str] | None = None
+    kv_cache: int | None = None
+    kv_by_type: dict[str, int] = field(default_factory=dict)
 
 
 def _number(section: object, key: str) -> float | None:
@@ -74,17 +80,24 @@ def _number(section: object, key: str) -> float | None:
 
 
 def entry_from_manifest(
-    m: edgeinfer.ModelManifest, *, store: edgeinfer.Store | None = None, available: int | None = None
+    m: edgeinfer.ModelManifest,
+    *,
+    store: edgeinfer.Store | None = None,
+    available: int | None = None,
+    n_ctx: int | None = None,
+    kv_types: tuple[str, str] | None = None,
 ) -> ModelEntry:
     """A picker row: the manifest's facts, the metrics `evaluate` and `bench` saved in it
     (metrics["eval"]: EvalResult.to_metrics(), metrics["bench"]: BenchResult.to_metrics()), and
-    whether edgeinfer.fit estimates it fits in `available` bytes of RAM."""
+    edgeinfer.fit's estimate at `n_ctx` tokens (None: the engine's default context) with the
+    `kv_types` (K, V) cache: whether it fits in `available` bytes of RAM, and the KV-cache bytes."""
     ev = m.metrics.get("eval")
     same_top = _number(ev, "same_top")  # a fraction
+    k, v = kv_types or edgeinfer.DEFAULT_LOAD.kv_types
     try:
-        fits: bool | None = fit(m.ref, store=store, available=available).fits
+        report: FitReport | None = fit(m.ref, n_ctx, store=store, available=available, kv_type_k=k, kv_type_v=v)
     except (edgeinfer.EdgeInferError, OSError):  # an estimate is a hint: an unreadable file leaves it unknown
-        fits = None
+        report = None
     return ModelEntry(
         ref=m.ref,
         name=m.name,
@@ -95,8 +108,12 @@ def entry_from_manifest(
         same_top=None if same_top is None else same_top * 100.0,
         ppl=_number(ev, "ppl"),
         tok_s=_number(m.metrics.get("bench"), "decode_tok_s"),
-        fits=fits,
+        fits=None if report is None else report.fits,
         derived_from=m.derived_from,
+        n_ctx=None if report is None else report.estimate.n_ctx,
+        kv_types=(k, v),
+        kv_cache=None if report is None else report.estimate.kv_cache,
+        kv_by_type={} if report is None else dict(report.kv_by_type),
     )
 
 
@@ -176,11 +193,15 @@ class LoadedModel:
 
 
 class Backend(Protocol):
+    # What `edgeinfer chat` asked for (context, threads); the model host sets the chat's KV-cache
+    # types on it for every load. None: the library's defaults.
+    load_options: edgeinfer.LoadOptions | None
+
     def default_ref(self) -> str: ...
 
-    def list_models(self) -> list[ModelEntry]: ...
+    def list_models(self, kv_types: tuple[str, str] | None = None) -> list[ModelEntry]: ...
 
-    def load(self, ref: str | None) -> LoadedModel: ...
+    def load(self, ref: str | None, options: edgeinfer.LoadOptions | None = None) -> LoadedModel: ...
 
     def remove_model(self, ref: str) -> None: ...
 
@@ -198,13 +219,17 @@ class LibraryBackend:
     def default_ref(self) -> str:
         return edgeinfer.DEFAULT_MODEL
 
-    def list_models(self) -> list[ModelEntry]:
+    def list_models(self, kv_types: tuple[str, str] | None = None) -> list[ModelEntry]:
+        """The store's models, estimated at the context this app loads with and `kv_types` (K, V)."""
         store = edgeinfer.Store()
         available = available_memory()
-        return [entry_from_manifest(m, store=store, available=available) for m in store.list()]
+        n_ctx = self.load_options.n_ctx if self.load_options is not None else None
+        return [entry_from_manifest(m, store=store, available=available, n_ctx=n_ctx, kv_types=kv_types)
+                for m in store.list()]
 
-    def load(self, ref: str | None) -> LoadedModel:
-        engine = edgeinfer.load(ref or None, options=self.load_options)
+    def load(self, ref: str | None, options: edgeinfer.LoadOptions | None = None) -> LoadedModel:
+        """Load `ref` with `options` (None: this backend's load_options)."""
+        engine = edgeinfer.load(ref or None, options=options or self.load_options)
         name = engine.manifest.ref if engine.manifest is not None else (ref or Path(engine.path).name)
         return LoadedModel(ref=name, engine=engine)
 

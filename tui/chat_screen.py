@@ -21,7 +21,7 @@ from edgeinfer import EdgeInferError, SpeculationOptions
 
 from .backend import Backend, one_line
 from .chat_store import ChatStore, export_markdown
-from .chat_view import ChatView
+from .chat_view import ChatView, model_label
 from .config import ACTIONS, TuiConfig
 from .manage import ManageScreen
 from .modals.confirm import ConfirmScreen
@@ -30,7 +30,7 @@ from .modals.prompt import PromptScreen
 from .modals.settings import SettingsScreen
 from .modals.speculation import SpeculationScreen
 from .model_host import ModelHost
-from .settings import ChatSettings, SpeculationSettings
+from .settings import ChatSettings, SpeculationSettings, kv_label
 from .widgets import ChatList, ChatListItem
 
 __all__ = ["ChatScreen"]
@@ -47,19 +47,28 @@ class ChatScreen(Screen):
     ]
 
     class ModelWanted(TMessage):
-        """The open chat's model should be loaded and its speculation prepared (the app does it
-        in the background)."""
+        """The open chat's model should be loaded with its KV-cache types and its speculation
+        prepared (the app does it in the background)."""
 
-        def __init__(self, ref: str, speculation: SpeculationOptions | None = None):
+        def __init__(self, ref: str, speculation: SpeculationOptions | None, kv_types: tuple[str, str]):
             super().__init__()
-            self.ref, self.speculation = ref, speculation
+            self.ref, self.speculation, self.kv_types = ref, speculation, kv_types
 
-    def __init__(self, store: ChatStore, models: ModelHost, config: TuiConfig, *, initial_model: str | None = None):
+    def __init__(
+        self,
+        store: ChatStore,
+        models: ModelHost,
+        config: TuiConfig,
+        *,
+        initial_model: str | None = None,
+        initial_kv_types: tuple[str, str] | None = None,
+    ):
         super().__init__(id="chat-screen")
         self.store = store
         self.models = models
         self.config = config
         self.initial_model = initial_model  # `edgeinfer chat MODEL`
+        self.initial_kv_types = initial_kv_types  # `edgeinfer chat --kv-type/--kv-type-k/--kv-type-v`
         self.chat_view = ChatView(
             store, models, config, default_model=initial_model or models.backend.default_ref(), id="chat-pane"
         )
@@ -100,6 +109,8 @@ class ChatScreen(Screen):
                 view.update_chat(model=self.initial_model)  # the model asked for on the command line wins
         else:
             self.new_chat()
+        if self.initial_kv_types is not None and view.settings.kv_types != self.initial_kv_types:
+            view.update_chat(settings=view.settings.with_kv_types(self.initial_kv_types).to_dict())  # so do its cache types
         view.chat_input.focus()
         self._want_model()
 
@@ -109,11 +120,12 @@ class ChatScreen(Screen):
             speculation = view.settings.speculation.to_options().validate()
         except EdgeInferError:  # settings saved by an older version: the reply will say what is wrong
             speculation = None
-        self.post_message(self.ModelWanted(view.model_ref, speculation))
+        self.post_message(self.ModelWanted(view.model_ref, speculation, view.settings.kv_types))
 
     def _refresh_header(self) -> None:
         view = self.chat_view
-        self.app.sub_title = f"{view.model_ref} · speculation: {view.settings.speculation.describe()}"
+        model = model_label(view.model_ref, view.settings.kv_types)
+        self.app.sub_title = f"{model} · speculation: {view.settings.speculation.describe()}"
 
     # -- chats -----------------------------------------------------------------------------------
     def new_chat(self) -> None:
@@ -210,12 +222,23 @@ class ChatScreen(Screen):
 
     # -- dialogs that change the open chat -------------------------------------------------------
     def action_settings(self) -> None:
-        def done(result: ChatSettings | None) -> None:
-            if result is not None:
-                self.chat_view.update_chat(settings=result.to_dict())
-                self.notify("Settings saved for this chat.")
+        view = self.chat_view
 
-        self.app.push_screen(SettingsScreen(self.chat_view.settings), done)
+        def done(result: ChatSettings | None) -> None:
+            if result is None:
+                return
+            reload = result.kv_types != view.settings.kv_types
+            view.update_chat(settings=result.to_dict())
+            if not reload:
+                self.notify("Settings saved for this chat.")
+            elif view.generating:  # the reply holds the model: the next one reloads it
+                self.notify(f"Settings saved; the next reply reloads the model with a {kv_label(result.kv_types)} KV cache.")
+            else:
+                self.notify(f"Settings saved; reloading the model with a {kv_label(result.kv_types)} KV cache.")
+                view.set_stats(f"{model_label(view.model_ref, result.kv_types)} · loading…")
+                self._want_model()
+
+        self.app.push_screen(SettingsScreen(view.settings), done)
 
     def action_speculation(self) -> None:
         view = self.chat_view
@@ -252,7 +275,7 @@ class ChatScreen(Screen):
             view.set_stats(f"{ref} · loading…")
             self._want_model()
 
-        self.app.push_screen(ModelPickerScreen(self.backend, view.model_ref), done)
+        self.app.push_screen(ModelPickerScreen(self.backend, view.model_ref, view.settings.kv_types), done)
 
     # -- the reply's actions are the ChatView's; the keys are bound here so they work wherever
     # -- the focus is on this screen (the sidebar included)

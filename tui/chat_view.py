@@ -25,17 +25,17 @@ from textual.css.query import NoMatches
 from textual.message import Message as TMessage
 from textual.widgets import Static
 
-from edgeinfer import DoneEvent, GenerateOptions, Generation, SpeculationProgress, TokenEvent
+from edgeinfer import DEFAULT_LOAD, DoneEvent, GenerateOptions, Generation, SpeculationProgress, TokenEvent
 
 from .backend import one_line
 from .chat_store import Chat, ChatStore
 from .config import TuiConfig
 from .live_stats import LiveStats, preparing_line
-from .model_host import ModelHost
-from .settings import ChatSettings
+from .model_host import ModelHost, ModelKey
+from .settings import ChatSettings, kv_label
 from .widgets import ChatInput, MessageView, last_code_block, merge_spans
 
-__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE"]
+__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE", "model_label"]
 
 FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second...
 MAX_FLUSH_S = 0.5  # ...and at least twice a second
@@ -45,6 +45,11 @@ MAX_FLUSH_S = 0.5  # ...and at least twice a second
 UI_CPU_BUDGET = 0.05
 # Under a cancelled reply: it stays in the history the model sees, so the note says so.
 CANCELLED_NOTE = "(cancelled; kept in the conversation)"
+
+
+def model_label(ref: str, kv_types: tuple[str, str]) -> str:
+    """The model as the header and stats line name it: its KV-cache types only when not the default."""
+    return ref if kv_types == DEFAULT_LOAD.kv_types else f"{ref} · KV {kv_label(kv_types)}"
 
 
 # -- messages from the worker ---------------------------------------------------------------------
@@ -71,9 +76,11 @@ class GenerationFinished(TMessage):
 
 
 class GenerationFailed(TMessage):
-    def __init__(self, gen_id: int, error: str):
+    """The reply failed; `load_failed`: loading that model and cache failed (the host kept what it had)."""
+
+    def __init__(self, gen_id: int, error: str, load_failed: ModelKey | None = None):
         super().__init__()
-        self.gen_id, self.error = gen_id, error
+        self.gen_id, self.error, self.load_failed = gen_id, error, load_failed
 
 
 @dataclass
@@ -85,6 +92,7 @@ class ActiveReply:
     chat_id: int
     model: str
     view: MessageView | None
+    kv_types: tuple[str, str] = DEFAULT_LOAD.kv_types
     drafted: list[tuple[int, int]] = field(default_factory=list)
     length: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -166,11 +174,29 @@ class ChatView(Vertical):
         except NoMatches:  # the view is being torn down (a late worker message at exit)
             pass
 
-    def show_model_state(self, ref: str | None, error: str | None = None) -> None:
+    def show_model_state(self, ref: str | None, error: str | None = None, kv_types: tuple[str, str] = DEFAULT_LOAD.kv_types) -> None:
         """A model finished loading (or failed to): say so unless a reply is streaming."""
         if self.generating:
             return
-        self.set_stats(f"model not loaded: {error}" if error else f"{ref} · ready")
+        self.set_stats(f"model not loaded: {error}" if error or ref is None else f"{model_label(ref, kv_types)} · ready")
+
+    def show_load_failure(self, wanted: ModelKey, error: str) -> str:
+        """Loading `wanted` failed; returns the one line to show. When the host kept this chat's
+        model with other cache types (a new cache type failed), the chat goes back to those, so its
+        next reply works with the model that is loaded."""
+        kept = self.models.key
+        if (
+            self.chat is None
+            or kept is None
+            or not kept.ref == wanted.ref == self.model_ref
+            or kept.kv_types == wanted.kv_types
+            or self.settings.kv_types != wanted.kv_types
+        ):
+            self.show_model_state(None, error)
+            return error
+        self.update_chat(settings=self.settings.with_kv_types(kept.kv_types).to_dict())
+        self.show_model_state(kept.ref, kv_types=kept.kv_types)
+        return f"KV cache {kv_label(wanted.kv_types)}: {error} (kept {kv_label(kept.kv_types)})"
 
     def show_preparing(self, ref: str, progress: SpeculationProgress) -> None:
         """Speculation is being prepared (by the reply or ahead of it): say how far, until the
@@ -246,7 +272,8 @@ class ChatView(Vertical):
         self.messages_view.anchor()
         self._gen_counter += 1
         model = self.model_ref
-        self.active = ActiveReply(gen_id=self._gen_counter, chat_id=self.chat.id, model=model, view=view)
+        self.active = ActiveReply(gen_id=self._gen_counter, chat_id=self.chat.id, model=model, view=view,
+                                  kv_types=self.settings.kv_types)
         self.set_stats(f"{model} · generating…")
         self.generate(self.active, messages, options)
 
@@ -254,7 +281,11 @@ class ChatView(Vertical):
     def generate(self, active: ActiveReply, messages: list[dict[str, str]], options: GenerateOptions) -> None:
         gen_id = active.gen_id
         try:
-            loaded = self.models.ensure_loaded(active.model)
+            loaded = self.models.ensure_loaded(active.model, active.kv_types)
+        except Exception as e:  # noqa: BLE001
+            self.post_message(GenerationFailed(gen_id, one_line(e), ModelKey(active.model, active.kv_types)))
+            return
+        try:
             gen = loaded.engine.chat(messages, options)
         except Exception as e:  # noqa: BLE001
             self.post_message(GenerationFailed(gen_id, one_line(e)))
@@ -394,6 +425,10 @@ class ChatView(Vertical):
                 view.set_note(f"(stopped: {message.error})")
             else:
                 await view.remove()
+        if message.load_failed is not None:
+            error = self.show_load_failure(message.load_failed, message.error)
+            self.notify(error, title="Model", severity="error", timeout=10)
+            return
         self.notify(message.error, title="Error", severity="error", timeout=10)
         self.set_stats(f"error: {message.error}")
 

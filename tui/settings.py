@@ -1,7 +1,9 @@
-"""Per-chat settings: system prompt, sampling and speculation, stored as JSON with the chat.
+"""Per-chat settings: system prompt, sampling, speculation and KV-cache types, stored as JSON with
+the chat.
 
 The defaults are the library's own (edgeinfer.DEFAULT_GENERATE, DEFAULT_SAMPLING,
-DEFAULT_SPECULATION): a chat starts with what `edgeinfer run` and the Python API use.
+DEFAULT_SPECULATION, DEFAULT_LOAD): a chat starts with what `edgeinfer run` and the Python API use.
+The KV-cache types are load options: the model host reloads the model when they change.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 import edgeinfer
 
-__all__ = ["ChatSettings", "SpeculationSettings", "SPECULATION_CHOICES"]
+__all__ = ["ChatSettings", "SpeculationSettings", "SPECULATION_CHOICES", "kv_label", "kv_load_options"]
 
 # (method, label) pairs, in the order the speculation panel shows them.
 SPECULATION_CHOICES: tuple[tuple[str, str], ...] = (
@@ -25,6 +27,20 @@ SPECULATION_CHOICES: tuple[tuple[str, str], ...] = (
 _GENERATE = edgeinfer.DEFAULT_GENERATE
 _SAMPLING = edgeinfer.DEFAULT_SAMPLING
 _SPECULATION = edgeinfer.DEFAULT_SPECULATION
+_KV_K, _KV_V = edgeinfer.DEFAULT_LOAD.kv_types
+
+
+def kv_label(kv_types: tuple[str, str]) -> str:
+    """'q8_0' when K and V share a type, else 'K/V' ('q8_0/f16'), as `edgeinfer fit` writes it."""
+    k, v = kv_types
+    return k if k == v else f"{k}/{v}"
+
+
+def kv_load_options(kv_types: tuple[str, str], base: edgeinfer.LoadOptions | None = None) -> edgeinfer.LoadOptions:
+    """`base` (context, threads: `edgeinfer chat`'s flags) with these K and V cache types, validated:
+    an unknown type or a combination the library refuses is a one-line InvalidOptionError."""
+    k, v = kv_types
+    return replace(base or edgeinfer.DEFAULT_LOAD, kv_type=k, kv_type_k=k, kv_type_v=v).validate()
 
 
 def _from_dict(cls: type, data: dict[str, Any]) -> Any:
@@ -66,6 +82,17 @@ class ChatSettings:
     seed: int | None = _SAMPLING.seed
     max_tokens: int = _GENERATE.max_tokens
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    kv_type_k: str = _KV_K  # KV-cache types (edgeinfer.KV_TYPE_NAMES); settings saved before them load as f16
+    kv_type_v: str = _KV_V
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """The (K, V) cache types, as LoadOptions.kv_types spells them (a non-string from a
+        damaged database becomes a name the host refuses with a one-line error)."""
+        return str(self.kv_type_k).lower(), str(self.kv_type_v).lower()
+
+    def with_kv_types(self, kv_types: tuple[str, str]) -> ChatSettings:
+        return replace(self, kv_type_k=kv_types[0], kv_type_v=kv_types[1])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

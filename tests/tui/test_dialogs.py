@@ -3,7 +3,7 @@ labels that do not run into their fields, notices that read as sentences, the li
 
 from __future__ import annotations
 
-from tui_helpers import open_screen, run, wait_for
+from tui_helpers import open_screen, run, select_options, wait_for
 
 
 def _labels_clear_of_their_fields(screen) -> None:
@@ -32,11 +32,17 @@ def test_settings_dialog_opens_on_the_system_prompt_and_enter_saves(make_app, ba
             assert screen.query_one("#set-seed").value == ""
             assert screen.query_one("#set-max_tokens").value == str(edgeinfer.GenerateOptions().max_tokens)
             _labels_clear_of_their_fields(screen)
+            # the KV-cache types: every type the library knows, f16 (its default) for a new chat
+            kv = [screen.query_one(f"#set-kv_type_{c}") for c in "kv"]
+            assert [select_options(s) for s in kv] == [list(edgeinfer.KV_TYPE_NAMES)] * 2
+            assert [s.value for s in kv] == list(edgeinfer.DEFAULT_LOAD.kv_types) == ["f16", "f16"]
+            kv[0].value, kv[1].value = "q8_0", "q4_0"
             await pilot.press("tab")
             await pilot.press("enter")  # Enter in a field saves
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
             assert app.chat_view.settings.system_prompt == "Be brief."
-            assert app.store.get_chat(app.chat_view.chat.id).settings["system_prompt"] == "Be brief."
+            saved = app.store.get_chat(app.chat_view.chat.id).settings
+            assert (saved["system_prompt"], saved["kv_type_k"], saved["kv_type_v"]) == ("Be brief.", "q8_0", "q4_0")
 
     run(main())
 

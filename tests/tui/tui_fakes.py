@@ -147,25 +147,33 @@ class FakeBackend:
     delay: float = 0.0
     gate: threading.Semaphore | None = None
     fail_load: dict[str, str] = field(default_factory=dict)  # ref -> error message
+    fail_kv: dict[tuple[str, str], str] = field(default_factory=dict)  # (K, V) cache types -> error message
+    load_options: edgeinfer.LoadOptions | None = None  # as `edgeinfer chat` would set them
     fail_chat: str | None = None
     preparing: tuple[SpeculationProgress, ...] = ()  # what preparing a self-draft/draft speculation reports
     prepare_gate: threading.Event | None = None  # prepare_speculation ends once it is set
     preparations: list[tuple[str, str]] = field(default_factory=list)  # (model, method) prepared ahead
     calls: list[tuple[str, list[dict[str, str]], Any]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
+    load_requests: list[tuple[str, edgeinfer.LoadOptions | None]] = field(default_factory=list)  # (ref, options) asked for
+    listed_with: list[tuple[str, str] | None] = field(default_factory=list)  # list_models' kv_types, per call
     tasks: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
     def default_ref(self) -> str:
         return self.models[0].ref
 
-    def list_models(self) -> list[ModelEntry]:
+    def list_models(self, kv_types: tuple[str, str] | None = None) -> list[ModelEntry]:
+        self.listed_with.append(kv_types)
         return list(self.models)
 
-    def load(self, ref: str | None) -> LoadedModel:
+    def load(self, ref: str | None, options: edgeinfer.LoadOptions | None = None) -> LoadedModel:
         ref = ref or self.default_ref()
         self.loads.append(ref)
+        self.load_requests.append((ref, options))
         if ref in self.fail_load:
             raise edgeinfer.ModelNotFoundError(self.fail_load[ref])
+        if options is not None and options.kv_types in self.fail_kv:  # as llama.cpp failing to make the context
+            raise edgeinfer.InvalidModelError(self.fail_kv[options.kv_types])
         return LoadedModel(ref=ref, engine=ScriptedEngine(ref, self))
 
     def remove_model(self, ref: str) -> None:

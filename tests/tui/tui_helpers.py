@@ -34,3 +34,9 @@ async def say(pilot, backend, text: str) -> None:
     view.chat_input.text = text
     await pilot.press("enter")
     await wait_for(pilot, lambda: len(backend.calls) == n + 1 and not view.generating, what=f"reply to {text!r}")
+
+
+def select_options(select) -> list[str]:
+    """The labels a Select's drop-down lists (its overlay is an OptionList)."""
+    overlay = select.query_one("SelectOverlay")
+    return [str(overlay.get_option_at_index(i).prompt) for i in range(overlay.option_count)]

@@ -1,4 +1,5 @@
-"""Ctrl+S: the chat's system prompt and sampling settings. Save validates through edgeinfer."""
+"""Ctrl+S: the chat's system prompt, sampling settings and KV-cache types. Save validates through
+edgeinfer."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from dataclasses import replace
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
-from textual.widgets import Button, Input, Label, Static, TextArea
+from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
-from ..settings import ChatSettings
+from edgeinfer import DEFAULT_LOAD, KV_TYPE_NAMES
+
+from ..settings import ChatSettings, kv_load_options
 from .base import FormDialog, parse_number
 
 __all__ = ["SettingsScreen"]
@@ -26,6 +29,7 @@ class SettingsScreen(FormDialog):
         ("seed", "Seed (empty: random)", int, True),
         ("max_tokens", "Max tokens", int, False),
     )
+    KV_FIELDS = (("kv_type_k", "K cache type", 0), ("kv_type_v", "V cache type", 1))
     DEFAULT_CSS = """
     SettingsScreen #system { height: 6; }
     """
@@ -46,6 +50,19 @@ class SettingsScreen(FormDialog):
                 with Horizontal(classes="field"):
                     yield Label(label)
                     yield Input("" if v is None else str(v), id=f"set-{key}")
+            for key, label, i in self.KV_FIELDS:
+                value = s.kv_types[i]
+                if value not in KV_TYPE_NAMES:  # a hand-edited database: show the default, saving fixes it
+                    value = DEFAULT_LOAD.kv_types[i]
+                with Horizontal(classes="field"):
+                    yield Label(label)
+                    yield Select([(name, name) for name in KV_TYPE_NAMES], value=value, allow_blank=False, id=f"set-{key}")
+            yield Static(
+                "A quantized KV cache (q8_0: about half of f16) leaves room for longer contexts at a small cost "
+                "in accuracy; a quantized V cache turns flash attention on. Changing it reloads the model; "
+                "the model picker shows what each type takes.",
+                classes="hint",
+            )
             yield Static("", classes="error", id="settings-error")
             with Horizontal(classes="buttons"):
                 yield Button("Cancel", id="cancel")
@@ -55,12 +72,15 @@ class SettingsScreen(FormDialog):
         values = {}
         for key, label, kind, opt in self.FIELDS:
             values[key] = parse_number(self.query_one(f"#set-{key}", Input).value, kind, label, opt)
+        for key, _label, _i in self.KV_FIELDS:
+            values[key] = str(self.query_one(f"#set-{key}", Select).value)
         return replace(self.settings, system_prompt=self.query_one("#system", TextArea).text, **values)
 
     def action_save(self) -> None:
         try:
             new = self._collect()
             new.to_options()  # the library's own validation, its one-line message
+            kv_load_options(new.kv_types)  # a cache combination the library refuses
         except Exception as e:  # noqa: BLE001
             self.query_one("#settings-error", Static).update(str(e))
             return
