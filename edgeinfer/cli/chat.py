@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type
+from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type, add_kv_options, kv_options
 
 __all__ = ["register"]
 
@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="model (store name or .gguf path)")
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help="CPU threads (default: all cores)")
-    p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
-    p.set_defaults(func=chat)
+    add_kv_options(p)
+    # Not given: the open chat keeps the cache types saved with it (a new chat: f16).
+    p.set_defaults(func=chat, kv_type=None)
 
 
 def _textual_available() -> bool:
@@ -42,7 +43,9 @@ def chat(args: argparse.Namespace) -> int:
         raise edgeinfer.EdgeInferError(MISSING_TEXTUAL)
     import edgeinfer_tui
 
-    options = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type).validate()
+    kv = {name: value for name, value in kv_options(args).items() if value is not None}
+    # a wrong type or name is a one-line error before the screen opens
+    options = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv).validate()
     if args.model:
-        edgeinfer.Store().resolve(args.model)  # a wrong name is a one-line error before the screen opens
-    return edgeinfer_tui.run(args.model, load_options=options)
+        edgeinfer.Store().resolve(args.model)
+    return edgeinfer_tui.run(args.model, load_options=options, kv_types=options.kv_types if kv else None)
