@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Modules at the bottom: they may import each other (and the standard library / third parties), nothing else.
 BOTTOM = {"edgeinfer.errors", "edgeinfer.cancel", "edgeinfer.quant_types", "edgeinfer.paths",
-          "edgeinfer.fsutil", "edgeinfer.kv_types", "edgeinfer.llama_backend"}
+          "edgeinfer.fsutil", "edgeinfer.kv_types", "edgeinfer.llama_backend", "edgeinfer.cpu"}
 # (importer prefix, imported prefix) pairs that must never appear: each is an upward import.
 FORBIDDEN = [
     ("edgeinfer.hub", "edgeinfer.convert"),

@@ -16,6 +16,7 @@ __all__ = [
     "print_table",
     "int_range",
     "threads_type",
+    "THREADS_HELP",
     "ctx_type",
     "INT32_MAX",
     "UINT32_MAX",
@@ -95,6 +96,7 @@ def _max_threads() -> int:
 
 # --threads: at most a few per CPU (9,999 threads once took the machine to a load of 1,000)
 threads_type = int_range(1, _max_threads)
+THREADS_HELP = "CPU threads (default: the cores other processes leave free, re-checked while decoding)"
 
 
 def add_encoding_option(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ._common import INT32_MAX, common_options, format_bytes, int_range, print_table, threads_type
+from ._common import INT32_MAX, common_options, format_bytes, int_range, print_table, threads_type, THREADS_HELP
 
 __all__ = ["register"]
 
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int_range(1, INT32_MAX), default=256, help="prompt length for prefill (default 256)")
     p.add_argument("--decode-tokens", type=int_range(1, INT32_MAX), default=64, help="tokens to decode (default 64)")
     p.add_argument("--repeats", type=int_range(1, 1000), default=2, help="runs per model, best kept (default 2)")
-    p.add_argument("--threads", type=threads_type, help="threads (default: all cores)")
+    p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--speculation", action="store_true",
                    help="also measure the batch cost curve speculative decoding plans with (two context depths), "
                    "the speed-up ceiling it allows and what a draft model's token may cost; kept in the store")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type, add_kv_options, kv_options
+from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type, THREADS_HELP, add_kv_options, kv_options
 
 __all__ = ["register"]
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", nargs="?", help="model (store name or .gguf path)")
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
-    p.add_argument("--threads", type=threads_type, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
     # Not given: the open chat keeps the cache types saved with it (a new chat: f16).
     p.set_defaults(func=chat, kv_type=None)

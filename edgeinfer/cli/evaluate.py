@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ._common import (
     INT32_MAX,
+    THREADS_HELP,
     ProgressBar,
     add_kv_options,
     common_options,
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: its second half; 512 for a KV-cache eval)")
     add_kv_options(p)
     p.add_argument("--chunks", type=int_range(1, INT32_MAX), help="number of chunks (default: as many as the text holds)")
-    p.add_argument("--threads", type=threads_type, help="threads (default: all cores)")
+    p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--force", action="store_true", help="--ladder: re-measure models that already have results")
     p.add_argument("--no-bench", action="store_true", help="--ladder: do not measure decode speed")
     p.set_defaults(func=run)

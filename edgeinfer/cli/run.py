@@ -10,7 +10,7 @@ import shlex
 import signal
 import sys
 
-from ._common import INT32_MAX, ctx_type, UINT32_MAX, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type
+from ._common import INT32_MAX, ctx_type, UINT32_MAX, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type, THREADS_HELP
 
 __all__ = ["register"]
 
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int_range(0, UINT32_MAX))
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
-    p.add_argument("--threads", type=threads_type, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M (output is unchanged, "

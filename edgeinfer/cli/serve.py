@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 import sys
 
-from ._common import common_options
+from ._common import common_options, THREADS_HELP, threads_type
 
 __all__ = ["register"]
 
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--parallel", "-np", type=int, default=4, help="requests decoded together (slots; default 4)")
     p.add_argument("--ctx", type=int, help="whole context in tokens, split evenly between the slots "
                    "(default: min(model's, 4096))")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="default for requests: off | lookup | auto (= lookup with parallel sequences); "

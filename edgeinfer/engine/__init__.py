@@ -167,6 +167,12 @@ class Engine:
         return self._runtime.facts.n_ctx_train
 
     @property
+    def threads(self) -> int:
+        """llama.cpp's threads now: LoadOptions.n_threads when pinned, else the cores that other
+        processes leave free, re-checked every few seconds while decoding (edgeinfer.cpu)."""
+        return self._runtime.threads
+
+    @property
     def chat_template(self) -> str:
         """The template `chat` renders with: the model's own (ChatML when it has none), unless
         another was assigned, e.g. `engine.chat_template = "chatml"` when the model's is unusable."""

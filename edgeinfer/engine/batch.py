@@ -466,6 +466,11 @@ class BatchEngine:
         return self.slot_ctx
 
     @property
+    def threads(self) -> int:
+        """llama.cpp's threads now (see Engine.threads)."""
+        return self._runtime.threads
+
+    @property
     def n_vocab(self) -> int:
         return self._runtime.facts.n_vocab
 

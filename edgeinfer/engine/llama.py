@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cpu import ThreadGovernor
 from ..errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError, SpeculationError
 from ..kv_types import KV_CACHE_TYPES, flash_attn_for
 from ..llama_backend import backend, log_capture
@@ -95,6 +96,10 @@ class LlamaRuntime:
         self.path = path
         self.options = options
         self.model = self.ctx = self.batch = None
+        # Unpinned threads follow the cores that other processes leave free (edgeinfer.cpu).
+        self._governor = ThreadGovernor(self._set_threads) if options.n_threads is None else None
+        if self._governor is not None:
+            self._governor.start()  # the load's duration is the first sample window
         mparams = set_fields(ll.llama_model_default_params(), n_gpu_layers=0, load_mode=ll.LLAMA_LOAD_MODE_MMAP)
         said: list[str] = []
         with log_capture(lambda _level, text: said.append(text)):
@@ -121,6 +126,7 @@ class LlamaRuntime:
                 )
             self.n_batch = min(options.n_batch, n_ctx)
             cparams = ll.llama_context_default_params()
+            self.threads = self._governor.settle() if self._governor is not None else options.threads
             kv_k, kv_v = options.kv_types
             flash = flash_attn_for(kv_k, kv_v, options.flash_attn)  # on for a quantized V cache
             set_fields(
@@ -130,8 +136,8 @@ class LlamaRuntime:
                 n_ubatch=self.n_batch,
                 n_seq_max=n_seq_max,
                 kv_unified=n_seq_max > 1,
-                n_threads=options.threads,
-                n_threads_batch=options.threads,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
                 type_k=KV_CACHE_TYPES[kv_k].ggml_type,
                 type_v=KV_CACHE_TYPES[kv_v].ggml_type,
                 flash_attn_type=_FLASH_ATTN[flash],
@@ -165,6 +171,11 @@ class LlamaRuntime:
     @property
     def closed(self) -> bool:
         return self.model is None
+
+    def _set_threads(self, n: int) -> None:
+        """Threads for one-token steps and for batches (prefill, verification) alike."""
+        self._ll.llama_set_n_threads(self.ctx, n, n)
+        self.threads = n
 
     def _check_open(self) -> None:
         if self.model is None:
@@ -306,6 +317,8 @@ class LlamaRuntime:
             b.seq_id[i][0] = 0
             b.logits[i] = i >= first_out
         b.n_tokens = n
+        if self._governor is not None:
+            self._governor.check()
         rc = self._ll.llama_decode(self.ctx, b)
         if rc != 0:
             if rc == 2 or self.abort_flag.is_set():
@@ -337,6 +350,8 @@ class LlamaRuntime:
             b.seq_id[i][0] = seqs[i]
             b.logits[i] = logits[i]
         b.n_tokens = n
+        if self._governor is not None:
+            self._governor.check()
         rc = self._ll.llama_decode(self.ctx, b)
         if rc == 1:
             raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")

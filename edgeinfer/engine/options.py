@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import InvalidOptionError
+from ..cpu import usable_cores
 from ..llama_backend import THREADS_PER_CORE, max_threads
 from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
 
@@ -60,7 +61,7 @@ class LoadOptions:
     """How a model is loaded: context, threads, KV cache."""
 
     n_ctx: int | None = None  # None: min(model's trained context, 4096)
-    n_threads: int | None = None  # None: all cores
+    n_threads: int | None = None  # None: the cores other processes leave free, re-checked (edgeinfer.cpu)
     n_batch: int = 512
     kv_type: str = "f16"  # type of both K and V caches (edgeinfer.kv_types.KV_TYPE_NAMES)
     flash_attn: bool | None = None  # None: on when the V cache is quantized (llama.cpp needs it there)
@@ -94,7 +95,8 @@ class LoadOptions:
 
     @property
     def threads(self) -> int:
-        return self.n_threads or os.cpu_count() or 1
+        """The pinned thread count, or the cores this process may use (the most it gets unpinned)."""
+        return self.n_threads or usable_cores()
 
 
 @dataclass(frozen=True)

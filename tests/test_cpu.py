@@ -1,0 +1,155 @@
+"""edgeinfer.cpu: the free cores that unpinned llama.cpp threads follow.
+
+The policy is checked on synthetic counters; the reading of /proc against processes this test
+starts itself (busy loops it knows the count of); the runtime's wiring with a real model beside
+such processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from edgeinfer.cpu import CpuSample, ThreadGovernor, others_busy, read_sample, threads_for, usable_cores
+
+BUSY_LOOP = "import time\nend = time.time() + 120\nwhile time.time() < end: pass\n"
+
+
+def sample(at: float, total: int, idle: int, own: int, n_cpu: int = 2) -> CpuSample:
+    return CpuSample(at=at, total=total, idle=idle, own=own, n_cpu=n_cpu)
+
+
+def test_others_busy_subtracts_idle_time_and_our_own():
+    a = sample(0.0, 1000, 500, 100)
+    # 200 ticks passed on 2 CPUs: 50 idle, we used 100 -> others used 50 of 200 = 0.5 cores
+    assert others_busy(a, sample(1.0, 1200, 550, 200)) == pytest.approx(0.5)
+    assert others_busy(a, sample(1.0, 1200, 700, 100)) == 0.0  # all idle
+    assert others_busy(a, sample(1.0, 1200, 500, 300)) == 0.0  # all ours
+    assert others_busy(a, sample(1.0, 1200, 500, 100)) == pytest.approx(2.0)  # all others'
+    assert others_busy(a, a) == 0.0  # no time passed
+
+
+@pytest.mark.parametrize(("others", "usable", "n_cpu", "threads"), [
+    (0.0, 2, 2, 2), (0.2, 2, 2, 2),  # noise is not worth a thread
+    (0.4, 2, 2, 1), (1.0, 2, 2, 1), (2.0, 2, 2, 1),  # never fewer than one
+    (1.0, 8, 8, 7), (3.3, 8, 8, 4),
+    (0.0, 2, 8, 2),  # an affinity mask of 2 CPUs on an 8-CPU machine
+])
+def test_threads_follow_the_free_cores(others, usable, n_cpu, threads):
+    assert threads_for(others, usable, n_cpu) == threads
+
+
+class FakeMachine:
+    """Counters that advance as the test says: `others` cores busy, `ours` cores ours."""
+
+    def __init__(self, n_cpu: int = 2):
+        self.n_cpu, self.at, self.total, self.idle, self.own = n_cpu, 0.0, 0, 0, 0
+
+    def run(self, seconds: float, others: float, ours: float = 0.0) -> None:
+        ticks = int(seconds * 100 * self.n_cpu)
+        self.at += seconds
+        self.total += ticks
+        self.own += int(ticks * ours / self.n_cpu)
+        self.idle += int(ticks * (self.n_cpu - others - ours) / self.n_cpu)
+
+    def sample(self) -> CpuSample:
+        return sample(self.at, self.total, self.idle, self.own, self.n_cpu)
+
+
+def test_governor_settles_from_the_load_window_and_rechecks_between_steps():
+    m = FakeMachine()
+    applied: list[int] = []
+    gov = ThreadGovernor(applied.append, interval=2.0, sampler=m.sample, usable=2, clock=lambda: m.at)
+    gov.start()
+    m.run(0.01, others=1.0)
+    assert gov.settle() == 2  # 10 ms tells nothing: all usable cores, the window stays open
+    m.run(0.5, others=1.0)
+    assert gov.settle() == 1 and applied == []  # settle only chooses; the context is made with it
+    m.run(1.0, others=0.0, ours=1.0)
+    gov.check()
+    assert gov.threads == 1 and applied == []  # not yet two seconds
+    m.run(1.5, others=0.0, ours=1.0)
+    gov.check()
+    assert gov.threads == 2 and applied == [2]  # the other process ended
+    m.run(2.5, others=0.6, ours=1.4)  # it is back, and gets only what our threads leave it
+    gov.check()
+    assert applied == [2, 1]
+
+
+def test_governor_without_proc_keeps_all_usable_cores():
+    gov = ThreadGovernor(lambda n: None, sampler=lambda: None, usable=3)
+    gov.start()
+    assert gov.settle() == 3
+    gov.check()
+    assert gov.threads == 3
+
+
+def busy_processes(n: int) -> list[subprocess.Popen]:
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    time.sleep(0.3)  # past the interpreter's start
+    return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(read_sample() is None, reason="no /proc/stat")
+def test_busy_processes_count_as_others_and_our_own_threads_do_not():
+    n = usable_cores()
+    procs = busy_processes(n)
+    try:
+        a = read_sample()
+        time.sleep(0.5)
+        b = read_sample()
+    finally:
+        stop(procs)
+    assert others_busy(a, b) >= min(n, b.n_cpu) - 0.5
+
+    spin = threading.Event()
+
+    def ours() -> None:
+        while not spin.is_set():
+            pass
+
+    t = threading.Thread(target=ours)
+    a = read_sample()
+    t.start()
+    time.sleep(0.5)
+    spin.set()
+    t.join()
+    b = read_sample()
+    # the spinning thread's 0.5 s showed up as ours (others_busy subtracts it: the synthetic test)
+    assert b.own - a.own >= 30
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(read_sample() is None, reason="no /proc/stat")
+def test_an_unpinned_engine_gives_up_threads_to_busy_processes(default_model_path):
+    """With every usable core held by a busy process, an unpinned engine decodes on one thread
+    within a few seconds (the governor's re-check); a pinned one keeps what it was given."""
+    import edgeinfer
+
+    n = usable_cores()
+    if n < 2:
+        pytest.skip("one core: nothing to give up")
+    procs = busy_processes(n)
+    try:
+        with edgeinfer.load(default_model_path, n_ctx=1024) as unpinned, \
+                edgeinfer.load(default_model_path, n_ctx=1024, n_threads=n) as pinned:
+            opts = edgeinfer.GenerateOptions(max_tokens=8, sampling=edgeinfer.SamplingOptions(temperature=0.0))
+            deadline = time.monotonic() + 60
+            while unpinned.threads != 1 and time.monotonic() < deadline:
+                unpinned.generate("Count from one to ten.", opts).result()
+            pinned.generate("Count from one to ten.", opts).result()
+            assert unpinned.threads == 1
+            assert pinned.threads == n
+    finally:
+        stop(procs)
