@@ -193,7 +193,7 @@ def main() -> int:
     if not args.no_llama_server and llama_server.exists():
         port = 18000 + os.getpid() % 1000
         theirs = Process([str(llama_server), "-m", model, "-np", str(args.parallel), "-c", str(args.ctx), "-t",
-                          str(args.threads), "--port", str(port), "--host", "127.0.0.1"], "server is listening", env)
+                          str(args.threads), "--port", str(port), "--host", "127.0.0.1"], "listening on http", env)
         servers[f"llama-server -np {args.parallel}"] = (f"http://127.0.0.1:{port}/v1", {})
     else:
         print(f"(no llama-server at {llama_server}: run benchmarks/build_llama_tools.sh for that row)", file=sys.stderr)

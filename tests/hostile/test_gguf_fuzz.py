@@ -248,6 +248,7 @@ def fuzz_results(tmp_path_factory, synthetic_seed, default_model_path) -> dict[s
     return results
 
 
+@pytest.mark.slow  # a fuzz campaign: thousands of mutants, seconds of work
 def test_validator_raises_only_invalid_model_error(fuzz_results):
     wrong = [w for r in fuzz_results.values() for w in r.wrong_errors]
     assert not wrong, "\n".join(wrong[:20])
@@ -258,6 +259,7 @@ def test_validator_raises_only_invalid_model_error(fuzz_results):
     assert sum(len(r.accepted) for r in fuzz_results.values()) > 0
 
 
+@pytest.mark.slow
 def test_validator_memory_is_bounded_by_the_header(fuzz_results):
     over = [w for r in fuzz_results.values() for w in r.over_memory]
     assert not over, "\n".join(over[:20])
