@@ -3,7 +3,11 @@
 The checkpoint (Llama-3.2-1B dimensions: hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192,
 vocab 128256, tied embeddings; random bf16 weights, the default model's tokenizer padded to the
 vocab) is written to a temp dir and deleted afterwards. Each conversion runs in its own child
-process that reports its own peak RSS (ru_maxrss) and the RSS it had before converting (imports).
+process that reports its own peak RSS (VmHWM of /proc/self/status) and the RSS it had before
+converting (imports). Not ru_maxrss: Linux carries the high-water mark of the pre-exec image into it,
+so a child forked from this process after it built a quantized checkpoint reported this process's
+RSS (1,448 MB for FP8, 1,131 MB for AWQ on 2026-12-01), not the converter's; it is printed next to
+VmHWM for comparison.
 
 With --source fp8 (E4M3, 128x128 block scales) or awq (4-bit GEMM, groups of 128), the bf16
 checkpoint is quantized tensor by tensor with the tests' independent packers (tests/quant_checkpoints.py)
@@ -12,7 +16,7 @@ into a second checkpoint (embeddings stay bf16), which is what gets converted; M
     .venv/bin/python benchmarks/bench_convert.py [--keep DIR] [--outtypes f16,q8_0] [--layers 16]
         [--source bf16|fp8|awq]
 
-Besides ru_maxrss, the child samples /proc/self/status every 2 ms: the peaks of RssAnon (heap: what
+The child also samples /proc/self/status every 2 ms: the peaks of RssAnon (heap: what
 the converter allocates) and RssFile (pages of the memory-mapped checkpoint, which the kernel can drop
 at will; not a leak). --tracemalloc also reports the peak of the buffers numpy holds at once (it
 reports its allocations to tracemalloc), which tells the converter's own arrays apart from what the C
@@ -49,7 +53,7 @@ def status():
     out = {}
     for line in open("/proc/self/status"):
         k, _, v = line.partition(":")
-        if k in ("VmRSS", "RssAnon", "RssFile"):
+        if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[k] = int(v.split()[0])
     return out
 peaks, stop = {}, threading.Event()
@@ -70,7 +74,7 @@ stop.set(); sampler.join()
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"seconds": dt, "cpu_seconds": ru.ru_utime + ru.ru_stime, "source_bytes": r.source_bytes,
                   "output_bytes": r.output_bytes, "rss_before_kb": before["VmRSS"], "anon_before_kb": before["RssAnon"],
-                  "peak_rss_kb": ru.ru_maxrss, "peak_anon_kb": peaks.get("RssAnon", 0), "peak_file_kb": peaks.get("RssFile", 0),
+                  "peak_rss_kb": status()["VmHWM"], "ru_maxrss_kb": ru.ru_maxrss, "peak_anon_kb": peaks.get("RssAnon", 0), "peak_file_kb": peaks.get("RssFile", 0),
                   "traced_peak": tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else None}))
 """
 
@@ -208,6 +212,8 @@ def main() -> int:
     args = ap.parse_args()
     from edgeinfer.cli._common import print_table
 
+    if args.keep:
+        args.keep.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.keep.parent if args.keep else None))
     src = args.keep or (tmp / "synthetic-llama-1b")
     src.mkdir(parents=True, exist_ok=True)
@@ -248,6 +254,7 @@ def main() -> int:
                 f"{r['source_bytes'] / 1e6 / r['seconds']:.0f}",
                 f"{r['output_bytes'] / 1e9:.2f}",
                 f"{peak / 1e6:.0f}",
+                f"{r['ru_maxrss_kb'] * 1024 / 1e6:.0f}",
                 f"{r['peak_anon_kb'] * 1024 / 1e6:.0f}",
                 f"{r['peak_file_kb'] * 1024 / 1e6:.0f}",
                 "–" if r["traced_peak"] is None else f"{r['traced_peak'] / 1e6:.0f}",
@@ -257,7 +264,7 @@ def main() -> int:
             ])
             print(f"  {outtype}: done", flush=True)
         print()
-        print_table(rows, ["OUTTYPE", "WALL S", "CPU S", "MB/S (src, wall)", "OUT GB", "PEAK RSS MB", "PEAK ANON MB", "PEAK FILE MB",
+        print_table(rows, ["OUTTYPE", "WALL S", "CPU S", "MB/S (src, wall)", "OUT GB", "PEAK RSS MB", "RU_MAXRSS MB", "PEAK ANON MB", "PEAK FILE MB",
                            "NUMPY PEAK MB", "RSS AT START MB",
                            "PEAK/LARGEST", "(PEAK-START)/LARGEST"])
         print(f"\nload average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (wall time depends on it, CPU time less)")
