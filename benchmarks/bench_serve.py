@@ -3,7 +3,7 @@
 For each concurrency c in --concurrency (default 1,2,4,8), c clients each send one streaming
 greedy chat request at the same moment; a round measures total generated tokens / wall time
 (throughput), and per request the decode rate ((tokens - 1) / (last token - first token)) and the
-time to the first token. Rows: our server with speculation off and with prompt lookup (a per-request
+time to the first token. Rows: our server with speculation off, prompt lookup and auto (a per-request
 field on one server), and `llama-server -np N` (llama.cpp's own server, built from the sources
 llama-cpp-python 0.3.36 vendors, by benchmarks/build_llama_tools.sh) when it is there. Rows alternate
 within each round so machine load hits them alike; the table shows medians over rounds and the
@@ -160,6 +160,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", choices=("code", "snippet", "chat"), default="code")
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--speculation", default="off,lookup,auto", help="our rows: speculation per request")
     args = ap.parse_args()
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C/kill -INT still stops the servers
@@ -187,7 +188,7 @@ def main() -> int:
     ours = Process([sys.executable, "-m", "edgeinfer", "serve", model, "--port", "0", "--parallel", str(args.parallel),
                     "--ctx", str(args.ctx), "--threads", str(args.threads)], " at http://", env)
     our_url = ours.first_line.split(" at ", 1)[1].split()[0]
-    servers = {"edgeinfer off": (our_url, {"speculation": "off"}), "edgeinfer lookup": (our_url, {"speculation": "lookup"})}
+    servers = {f"edgeinfer {spec}": (our_url, {"speculation": spec}) for spec in args.speculation.split(",")}
     theirs = None
     llama_server = TOOLS / "bin" / "llama-server"
     if not args.no_llama_server and llama_server.exists():
