@@ -152,7 +152,7 @@ def main() -> int:
               f"{first.ref_ppl:.3f}; token embeddings/output Q8_0 on every quantized row.\n")
         print(markdown_table(table, ["model", "MB", "bpw (all)", "bpw (blk.* matrices)", "blk.* matrix types",
                                      "KLD vs original F16", "same-top % vs original", "PPL ratio vs original",
-                                     "KLD vs dequantized AWQ", "same-top % vs dequantized", "max |err| direct"]))
+                                     "KLD vs dequantized AWQ", "same-top % vs dequantized", "max abs error of direct"]))
         print("\nQ4_K_M falls back to Q5_0/Q8_0 wherever a row is 576 long (not a multiple of 256); "
               "the 'original' weights are the shipped Q4_1 GGUF's dequantized values (see the docstring).")
     finally:
