@@ -21,7 +21,7 @@ Caveats, both printed with the table:
   name says. The table reports bits per weight (all tensors, and the decoder's linear layers alone)
   and file sizes next to each KLD.
 - 576 is not a multiple of 128 either, so an AWQ checkpoint with groups of 128 cannot exist for this
-  model (AutoAWQ refuses it too); groups of 64 stand in for "groups larger than a Q4_1 block".
+  model (its groups must divide the input dimension); groups of 64 stand in for "groups larger than a Q4_1 block".
 - The only copy of the model this machine has is the Q4_1 GGUF: the "unquantized" weights are its
   dequantized values, which already lie on a 4-bit grid of 32-blocks. Quantizing those to Q4_1
   again nearly restores that grid, so the "original -> Q4_1" row is unusually good.
