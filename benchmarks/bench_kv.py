@@ -51,6 +51,10 @@ print(json.dumps({"kv_mib": kv_mib, "prefill_tok_s": s.prefill_tok_s, "decode_to
 """
 
 
+def vs_f16(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"  # None: no f16 row to compare with
+
+
 def run_child(model: str, kv: str, depth: int, decode: int, threads: int) -> dict:
     r = subprocess.run([sys.executable, "-c", CHILD, model, kv, str(depth), str(decode), str(threads)],
                        capture_output=True, text=True, cwd=HERE.parent)
@@ -131,7 +135,7 @@ def main() -> None:
     print("|" + "---|" * (head.count("|") - 1))
     for row in rows:
         line = (f"| {row['depth']} | {row['type']} | {row['kv_mib']:.1f} | {row['prefill_tok_s']:.0f} | "
-                f"{row['decode_tok_s']:.1f} | {row['decode_vs_f16']:.2f} | {row['peak_rss_mb']:.0f} |")
+                f"{row['decode_tok_s']:.1f} | {vs_f16(row['decode_vs_f16'])} | {row['peak_rss_mb']:.0f} |")
         if args.kld:
             kld = row.get("kld")
             line += f" {kld:.5f} | {row['same_top'] * 100:.2f} |" if kld is not None else " - | - |"
