@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .cancel import CancelToken, raise_if_cancelled
 from .errors import ContextLengthError, InvalidOptionError
 
 if TYPE_CHECKING:
@@ -211,6 +212,7 @@ def evaluate_many(
     kv_type_k: str | None = None,
     kv_type_v: str | None = None,
     scored: int | None = None,
+    cancel: CancelToken = None,
 ) -> list[EvalResult]:
     """Evaluate several models on the same chunks against one reference (computed once per chunk).
 
@@ -218,6 +220,8 @@ def evaluate_many(
     reference, when it is a store model, its own PPL with KLD 0). `kv_type_k`/`kv_type_v` set the
     evaluated models' KV-cache types (the reference keeps f16); `scored` scores only the last
     `scored` positions of each chunk (default: its second half, as llama-perplexity).
+    `cancel` (a threading.Event or a callable, see edgeinfer.cancel) is polled before each model
+    and each chunk and raises `Cancelled`; the models finished before it keep their saved metrics.
     """
     from .store import Store
 
@@ -264,6 +268,7 @@ def evaluate_many(
         results = []
         ref_name = str(reference) if reference is not None else None
         for mi, model in enumerate(models):
+            raise_if_cancelled(cancel, "evaluation cancelled")
             engine = _load(model, ctx, n_threads, kv)
             started = time.monotonic()
             try:
@@ -271,6 +276,7 @@ def evaluate_many(
                     raise InvalidOptionError(f"{model} has a vocabulary of {engine.n_vocab}, the reference {vocab}")
                 acc = _Acc()
                 for i, chunk in enumerate(chunk_list):
+                    raise_if_cancelled(cancel, "evaluation cancelled")
                     ref = ref_rows(i, chunk) if ref_engine is not None else None
                     lp = log_softmax(engine.logits(chunk, start=first)[:-1])
                     acc.add(lp, np.asarray(chunk[first + 1 :]), ref)
@@ -314,8 +320,10 @@ def evaluate(
     save: bool = True,
     on_progress: Callable[[EvalProgress], None] | None = None,
     scored: int | None = None,
+    cancel: CancelToken = None,
 ) -> EvalResult:
-    """Evaluate one model. reference="auto": the full-precision model it was derived from, if any."""
+    """Evaluate one model. reference="auto": the full-precision model it was derived from, if any.
+    `cancel` stops it between chunks with `Cancelled` (see evaluate_many)."""
     from .store import Store
 
     store = store or Store()
@@ -323,7 +331,8 @@ def evaluate(
         _, manifest = store.resolve(model)
         reference = default_reference(manifest, store)
     return evaluate_many([model], reference, text=text, ctx=ctx, chunks=chunks, store=store,
-                         n_threads=n_threads, save=save, on_progress=on_progress, scored=scored)[0]
+                         n_threads=n_threads, save=save, on_progress=on_progress, scored=scored,
+                         cancel=cancel)[0]
 
 
 def evaluate_kv(
@@ -338,14 +347,16 @@ def evaluate_kv(
     store: Store | None = None,
     n_threads: int | None = None,
     on_progress: Callable[[EvalProgress], None] | None = None,
+    cancel: CancelToken = None,
 ) -> EvalResult:
     """What KV-cache quantization alone costs `model`: KLD, same-top and Δp of the model with
     K/V caches of `kv_type_k`/`kv_type_v` against the same weights with an f16 cache, on chunks of
-    `ctx` tokens, scoring the last `scored` positions of each (None: the second half). Not saved."""
+    `ctx` tokens, scoring the last `scored` positions of each (None: the second half). Not saved.
+    `cancel` as in evaluate_many."""
     from .store import Store
 
     store = store or Store()
     path, _ = store.resolve(model)
     return evaluate_many([path], path, text=text, ctx=ctx, chunks=chunks, store=store, n_threads=n_threads,
                          save=False, on_progress=on_progress, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
-                         scored=scored)[0]
+                         scored=scored, cancel=cancel)[0]

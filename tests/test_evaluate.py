@@ -108,3 +108,26 @@ def test_eval_saves_metrics_and_ladder_table(default_model_path: Path, capsys: p
     assert main(["eval", "--ladder", "smollm2-135m-instruct", "--ctx", "64", "--chunks", "2", "--no-bench"]) == 0
     out = capsys.readouterr().out
     assert "PPL ratio" in out and "Q8_0" in out and "Q4_1 (ref)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("as_callable", [False, True], ids=["event", "callable"])
+def test_a_cancel_stops_the_evaluation_between_chunks(default_model_path: Path, as_callable: bool):
+    """The same cancel protocol as pull/convert/quantize: a token set after the first chunk stops
+    the evaluation before the second with Cancelled."""
+    import threading
+
+    from edgeinfer import Cancelled
+    from edgeinfer.evaluate import EvalProgress, evaluate
+
+    stop = threading.Event()
+    seen: list[EvalProgress] = []
+
+    def on_progress(p: EvalProgress) -> None:
+        seen.append(p)
+        stop.set()
+
+    with pytest.raises(Cancelled, match="evaluation cancelled"):
+        evaluate(default_model_path, None, ctx=CTX, chunks=CHUNKS, n_threads=2, on_progress=on_progress,
+                 cancel=stop.is_set if as_callable else stop)
+    assert [(p.chunk, p.n_chunks) for p in seen] == [(1, CHUNKS)]  # stopped early: 1 of 3 chunks
