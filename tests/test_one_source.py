@@ -14,3 +14,19 @@ def test_the_kv_type_literal_is_the_kv_types_list():
     from edgeinfer.engine.options import KV_TYPES, KVType
 
     assert typing.get_args(KVType) == KV_TYPE_NAMES == KV_TYPES
+
+
+def test_break_even_draft_cost_takes_draft_max_from_the_speculation_default():
+    """`break_even_draft_cost(draft_max=...)` defaults to DEFAULT_SPECULATION.draft_max, read from it
+    rather than repeated as a number that would drift when SpeculationOptions' default moves."""
+    import ast
+    import inspect
+
+    from edgeinfer import DEFAULT_SPECULATION
+    from edgeinfer.engine.speculation import break_even_draft_cost
+
+    assert inspect.signature(break_even_draft_cost).parameters["draft_max"].default == DEFAULT_SPECULATION.draft_max
+    fn = ast.parse(inspect.getsource(break_even_draft_cost)).body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    default = dict(zip((a.arg for a in fn.args.kwonlyargs), fn.args.kw_defaults))["draft_max"]
+    assert ast.unparse(default) == "DEFAULT_SPECULATION.draft_max"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..options import SpeculationOptions
+from ..options import DEFAULT_SPECULATION, SpeculationOptions
 
 __all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "CALIBRATION_SIZES", "break_even_draft_cost"]
 
@@ -180,8 +180,8 @@ class CostModel:
         self._measured.add(b)
 
 
-def break_even_draft_cost(costs: CostModel, acceptance: float, *, depth: int | None = None, draft_max: int = 32,
-                          margin: float = 0.03) -> float:
+def break_even_draft_cost(costs: CostModel, acceptance: float, *, depth: int | None = None,
+                          draft_max: int = DEFAULT_SPECULATION.draft_max, margin: float = 0.03) -> float:
     """The most a drafted token may cost (in target steps) for a drafter accepted at `acceptance`
     per token to beat plain decoding by `margin` at some draft length: max over k of
     (E(k) / (1 + margin) − cost(k + 1)) / k, with E(k) = 1 + a + … + a^k. 0 if none pays."""
