@@ -16,9 +16,9 @@ quantize the unquantized F16 directly, for context.
         [--ctx 512] [--chunks N] [--threads 2]
 
 Caveats, both printed with the table:
-- SmolLM2's hidden size (576) is not a multiple of 256, so llama.cpp's Q4_K_M falls back to Q5_0
-  (and Q6_K to Q8_0) for every tensor with rows of 576 (DESIGN.md); its files are bigger than the
-  name says. The table reports bits per weight (all tensors, and the decoder's linear layers alone)
+- SmolLM2's hidden size (576) is not a multiple of 256, the row length k-quants need (their
+  super-block), so llama.cpp's Q4_K_M falls back to Q5_0 (and Q6_K to Q8_0) for every tensor with
+  rows of 576; its files are bigger than the name says. The table reports bits per weight (all tensors, and the decoder's linear layers alone)
   and file sizes next to each KLD.
 - 576 is not a multiple of 128 either, so an AWQ checkpoint with groups of 128 cannot exist for this
   model (its groups must divide the input dimension); groups of 64 stand in for "groups larger than a Q4_1 block".
