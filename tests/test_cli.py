@@ -184,3 +184,17 @@ def test_requantize_error_says_the_next_step(capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "next: " in lines[0] and "--type F16" in lines[0] and "--allow-requantize" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_library_warning_is_one_cli_line():
+    """A first self-draft of the default model (Q4_1) is made by requantizing it: the library's
+    warning reads `edgeinfer: warning: ...`, not Python's `drafts.py:141: UserWarning:` followed by
+    a line of our source; the self-draft's progress is shown before the answer."""
+    r = cli("run", "Say hi", "--speculate", "self=Q8_0", "-n", "2", "--temperature", "0", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert any(ln.startswith("edgeinfer: warning: requantizing smollm2-135m-instruct:q4_1") for ln in lines), r.stderr
+    assert "UserWarning" not in r.stderr and not any(".py:" in ln for ln in lines), r.stderr
+    bar = [ln for ln in lines if "making the Q8_0 self-draft of smollm2-135m-instruct:q4_1" in ln]
+    assert bar and "100.0%" in bar[-1], r.stderr

@@ -15,6 +15,7 @@ import os
 import pkgutil
 import sys
 import typing
+import warnings
 from collections.abc import Iterator, Sequence
 
 __all__ = ["main", "build_parser"]
@@ -60,10 +61,30 @@ def _logging_to_stderr(verbosity: int, debug: bool) -> Iterator[None]:
     logger.addHandler(handler)
     logger.setLevel(min(level, saved_level or logging.WARNING))
     try:
-        yield
+        with _warnings_as_one_line(debug):
+            yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved_level)
+
+
+@contextlib.contextmanager
+def _warnings_as_one_line(debug: bool) -> Iterator[None]:
+    """A warning the library raises while a command runs (e.g. a self-draft made by requantizing
+    the model) reads `edgeinfer: warning: MESSAGE`, like every other line of the CLI, instead of
+    Python's `path/to/module.py:141: UserWarning: ...` followed by a line of our source code.
+    --debug adds where it came from. Restored after the command."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        where = f" ({category.__name__} at {filename}:{lineno})" if debug else ""
+        try:
+            print(f"edgeinfer: warning: {message}{where}", file=file or sys.stderr, flush=True)
+        except (OSError, ValueError):  # stderr gone or closed: a warning must never end the command
+            pass
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def main(argv: Sequence[str] | None = None) -> int:
