@@ -198,3 +198,15 @@ def test_a_library_warning_is_one_cli_line():
     assert "UserWarning" not in r.stderr and not any(".py:" in ln for ln in lines), r.stderr
     bar = [ln for ln in lines if "making the Q8_0 self-draft of smollm2-135m-instruct:q4_1" in ln]
     assert bar and "100.0%" in bar[-1], r.stderr
+
+
+@pytest.mark.slow
+def test_quantize_ends_without_resource_warnings():
+    """`quantize` (its parent imports llama_cpp, which opens /dev/null twice) ends without
+    `sys:1: ResourceWarning: unclosed file ... /dev/null`, even with those warnings switched on."""
+    r = subprocess.run([sys.executable, "-W", "always::ResourceWarning", "-m", "edgeinfer", "quantize",
+                        "smollm2-135m-instruct:q4_1", "--type", "F16", "--threads", "2"],
+                       capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert r.returncode == 0, r.stderr
+    assert "smollm2-135m-instruct:f16" in r.stdout
+    assert "ResourceWarning" not in r.stderr, r.stderr
