@@ -3,6 +3,9 @@ labels that do not run into their fields, notices that read as sentences, the li
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from tui_helpers import open_screen, run, select_options, wait_for
 
 
@@ -84,3 +87,51 @@ def test_new_chat_settings_are_the_library_defaults():
     from edgeinfer_tui.settings import ChatSettings
 
     assert ChatSettings().to_options() == edgeinfer.GenerateOptions().validate()
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# What the README's chat paragraph says each key does -> the action it must be bound to (None: quit,
+# Textual's own binding, which the help screen lists too).
+README_KEYS = {
+    "Ctrl+Q quits": None,
+    "Enter sends": "send",
+    "Ctrl+J adds a newline": "newline",
+    "Esc cancels": "cancel",
+    "Ctrl+O picks a model": "pick_model",
+    "Ctrl+T opens the speculation panel": "speculation",
+    "Ctrl+G colours": "toggle_drafted",
+    "Ctrl+S edits": "settings",
+    "Ctrl+L manages models": "manage",
+    "F1 lists every key": "help",
+}
+
+
+def test_the_readme_says_how_to_quit_and_names_the_keys_as_bound(make_app, backend):
+    """A newcomer learns from the README how to leave the chat (once only F1 said so), and every key
+    the README names is the one the app binds for what the README says it does; Ctrl+Q quits."""
+    from edgeinfer_tui.config import TuiConfig
+    from edgeinfer_tui.modals.help import help_markdown
+
+    text = README.read_text()
+    start = text.index("In the chat UI:")
+    paragraph = text[start:text.index("\n\n", start)]
+    named = re.findall(r"\b(?:Ctrl\+[A-Z]|F\d+|Esc|Enter)\b", paragraph)
+    phrases = [p.split()[0] for p in README_KEYS]
+    assert set(named) == set(phrases), f"the README names {sorted(set(named))}, the test checks {sorted(set(phrases))}"
+    config = TuiConfig()
+    for phrase, action in README_KEYS.items():
+        assert " ".join(phrase.split()) in " ".join(paragraph.split()), phrase
+        key = {"Esc": "escape"}.get(phrase.split()[0], phrase.split()[0]).lower()
+        if action is not None:
+            assert key in config.key_list(action), (phrase, config.key_list(action))
+    assert "| `ctrl+q` | Quit |" in help_markdown(config)
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            app.chat_view.chat_input.focus()  # even from the message input
+            await pilot.press("ctrl+q")
+            await wait_for(pilot, lambda: app.return_code is not None or not app.is_running, what="the app to quit")
+
+    run(main())
