@@ -125,3 +125,57 @@ def test_two_processes_share_one_store(edgeinfer_home, default_model_path):
     # read-modify-write under the lock lost no update
     assert set(store.get("proc:t0").metrics) == {f"k{i}" for i in range(10)}
     assert set(store.get("proc:t100").metrics) == {f"k{i}" for i in range(100, 110)}
+
+
+# -- the small cache API (read_cache / write_cache): what the engine keeps its decode costs in ----------
+def test_cache_round_trip(tmp_path):
+    store = Store(tmp_path / "store")
+    assert store.read_cache("decode-costs", "model-a") is None  # nothing yet
+    costs = {"t1": 0.0123, "shape": {"2": 1.4, "4": 1.9}, "alpha": 2.5e-5}
+    store.write_cache("decode-costs", "model-a", costs)
+    store.write_cache("decode-costs", "model-b", [1, 2, 3])
+    store.write_cache("decode-costs", "model-a", {**costs, "t1": 0.02})  # overwrites its own key only
+    again = Store(tmp_path / "store")  # another instance (another process) reads what was written
+    assert again.read_cache("decode-costs", "model-a") == {**costs, "t1": 0.02}
+    assert again.read_cache("decode-costs", "model-b") == [1, 2, 3]
+    assert again.read_cache("decode-costs", "model-c") is None
+    assert again.read_cache("other-kind", "model-a") is None  # kinds are separate files
+    with pytest.raises(edgeinfer.StoreError, match="invalid cache kind '../x'"):
+        store.write_cache("../x", "k", 1)
+
+
+@pytest.mark.parametrize("content", [b"{\"model-a\": {\"t1\": 0.0", b"[1, 2]", b"\xff\xfe not utf-8", b"[" * 100_000, b""],
+                         ids=["truncated", "not-a-dict", "not-utf8", "too-deep", "empty"])
+def test_a_corrupt_cache_file_is_ignored_and_replaced(tmp_path, content):
+    """A damaged cache is not an error: it reads as empty (costs are measured again) and the next
+    write replaces it with a valid file."""
+    store = Store(tmp_path / "store")
+    store.write_cache("decode-costs", "model-a", {"t1": 0.01})
+    path = next((tmp_path / "store").rglob("decode-costs.json"))
+    path.write_bytes(content)
+    assert store.read_cache("decode-costs", "model-a") is None
+    store.write_cache("decode-costs", "model-b", {"t1": 0.02})
+    assert json.loads(path.read_text(encoding="utf-8")) == {"model-b": {"t1": 0.02}}
+    assert store.read_cache("decode-costs", "model-b") == {"t1": 0.02}
+
+
+def test_a_failed_cache_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """The write goes to a temporary file renamed over the cache: a failure half-way (here fsync)
+    reaches the caller as OSError and leaves the previous cache intact, with no stray file."""
+    import edgeinfer.fsutil
+
+    store = Store(tmp_path / "store")
+    store.write_cache("decode-costs", "model-a", {"t1": 0.01})
+    path = next((tmp_path / "store").rglob("decode-costs.json"))
+    before = path.read_bytes()
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as m, pytest.raises(OSError, match="Input/output error"):
+        m.setattr(edgeinfer.fsutil.os, "fsync", failing_fsync)
+        store.write_cache("decode-costs", "model-b", {"t1": 0.02, "shape": list(range(1000))})
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == ["decode-costs.json"]
+    assert store.read_cache("decode-costs", "model-a") == {"t1": 0.01}
+    assert store.read_cache("decode-costs", "model-b") is None
