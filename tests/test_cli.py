@@ -210,3 +210,10 @@ def test_quantize_ends_without_resource_warnings():
     assert r.returncode == 0, r.stderr
     assert "smollm2-135m-instruct:f16" in r.stdout
     assert "ResourceWarning" not in r.stderr, r.stderr
+
+
+def test_serve_ctx_states_the_real_minimum():
+    """`serve --ctx` is checked like `run --ctx`: the error names the real minimum (it said only
+    'at least 16', while llama.cpp makes every context at least 256)."""
+    assert_one_line_error(cli("serve", "--ctx", "10"), "the smallest real one is 256")
+    assert_one_line_error(cli("serve", "--ctx", "99999999999"), "must be at most 2147483647 tokens")

@@ -79,7 +79,12 @@ CTX_BLOCK = 256  # llama.cpp rounds every context up to a multiple of this
 
 def ctx_type(text: str) -> int:
     """--ctx: a context size; the message says what llama.cpp really does with small ones."""
-    value = int_range(1 - 2**31, INT32_MAX)(text)
+    try:
+        value = int(text.strip(), 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {INT32_MAX} tokens, got {value}")
     if value < MIN_CTX:
         raise argparse.ArgumentTypeError(
             f"must be at least {MIN_CTX} tokens, got {value} (llama.cpp rounds a context up to a multiple "

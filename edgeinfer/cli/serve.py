@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 import sys
 
-from ._common import common_options, THREADS_HELP, threads_type
+from ._common import common_options, ctx_type, THREADS_HELP, threads_type
 
 __all__ = ["register"]
 
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
     p.add_argument("--parallel", "-np", type=int, default=4, help="requests decoded together (slots; default 4)")
-    p.add_argument("--ctx", type=int, help="whole context in tokens, split evenly between the slots "
+    p.add_argument("--ctx", type=ctx_type, help="whole context in tokens, split evenly between the slots "
                    "(default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
