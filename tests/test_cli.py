@@ -217,3 +217,29 @@ def test_serve_ctx_states_the_real_minimum():
     'at least 16', while llama.cpp makes every context at least 256)."""
     assert_one_line_error(cli("serve", "--ctx", "10"), "the smallest real one is 256")
     assert_one_line_error(cli("serve", "--ctx", "99999999999"), "must be at most 2147483647 tokens")
+
+
+def test_ladder_says_why_its_speeds_are_missing(monkeypatch, capsys):
+    """Speeds measured on a busy machine are not saved: the ladder says so in one line instead of
+    a decode column of '-' without a word (the README's `eval --ladder` on a shared machine)."""
+    from types import SimpleNamespace
+
+    import edgeinfer.bench
+    import edgeinfer.evaluate
+    from edgeinfer.bench import MachineLoad
+    from edgeinfer.cli import main
+
+    monkeypatch.setattr(edgeinfer.evaluate, "evaluate_many", lambda *a, **k: [])  # quality is not the point here
+    loads = {"busy": MachineLoad(before=3.0, after=4.9, cpus=2, threads=2),
+             "idle": MachineLoad(before=0.1, after=2.0, cpus=2, threads=2)}
+    state = {"load": "busy"}
+    monkeypatch.setattr(edgeinfer.bench, "bench_many",
+                        lambda models, **kw: [SimpleNamespace(model=m, load=loads[state["load"]]) for m in models])
+    assert main(["eval", "--ladder", "smollm2-135m-instruct"]) == 0
+    err = capsys.readouterr().err
+    note = [ln for ln in err.splitlines() if ln.startswith("edgeinfer: note: decode tok/s not saved")]
+    assert len(note) == 1 and "1 of 1 models" in note[0] and "load average 3.0 on 2 CPUs" in note[0], err
+    assert "--save-busy" in note[0]
+    state["load"] = "idle"
+    assert main(["eval", "--ladder", "smollm2-135m-instruct"]) == 0
+    assert "note:" not in capsys.readouterr().err

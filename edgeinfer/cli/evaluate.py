@@ -119,6 +119,19 @@ def _print_result(result) -> None:  # noqa: ANN001 - an edgeinfer.evaluate.EvalR
     print(f"time       {result.seconds:.1f}s")
 
 
+def _say_busy(results: list) -> None:
+    """Speeds measured on a busy machine are not saved (edgeinfer.bench): say so, or the ladder's
+    decode column stays '-' without a word."""
+    import sys
+
+    busy = [r for r in results if r.load is not None and r.load.busy]
+    if busy:
+        load = max(busy, key=lambda r: r.load.before).load
+        print(f"edgeinfer: note: decode tok/s not saved for {len(busy)} of {len(results)} models: the machine was "
+              f"busy (load average {load.before:.1f} on {load.cpus} CPUs); run this again when it is idle, or "
+              "`edgeinfer bench MODEL --save-busy` to keep figures marked busy", file=sys.stderr)
+
+
 def _ladder(args: argparse.Namespace) -> int:
     import hashlib
 
@@ -157,10 +170,13 @@ def _ladder(args: argparse.Namespace) -> int:
         if need:
             bar = ProgressBar("bench", len(need))
             try:
-                bench_many(need, prompt_tokens=128, decode_tokens=48, repeats=1, n_threads=args.threads, store=store,
-                           on_progress=lambda e: bar.update(max(e.model_index - 1, 0), label=f"bench {e.model}"))
+                results = bench_many(need, prompt_tokens=128, decode_tokens=48, repeats=1, n_threads=args.threads,
+                                     store=store, on_progress=lambda e: bar.update(max(e.model_index - 1, 0),
+                                                                                   label=f"bench {e.model}"))
+                bar.update(len(need), label="bench")
             finally:
                 bar.close()
+            _say_busy(results)
     members = ladder(args.ladder, store=store)  # re-read the saved metrics
     rows = []
     for m in members:
