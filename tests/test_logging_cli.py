@@ -1,0 +1,45 @@
+"""llama.cpp's log lines reach the `edgeinfer.llama_cpp` logger, quiet by default: the CLI shows them
+on stderr with -vv only (issue 13, point 7). A real `edgeinfer run` in a subprocess on the default
+model, with its own EDGEINFER_HOME."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # three subprocesses loading the default model
+
+
+def _run(home: Path, *verbosity: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EDGEINFER_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "edgeinfer", *verbosity, "run", "--raw", "1, 2, 3,", "-n", "2", "--temperature", "0"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+
+
+def _llama_cpp_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("edgeinfer.llama_cpp: ")]
+
+
+def test_minus_vv_shows_llama_cpp_log_lines_and_no_flag_does_not(tmp_path: Path):
+    home = tmp_path / "edgeinfer-home"
+    quiet = _run(home)
+    one_v = _run(home, "-v")
+    loud = _run(home, "-vv")
+    for r in (quiet, one_v, loud):
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert quiet.stdout == one_v.stdout == loud.stdout != ""  # the same two greedy tokens every time
+
+    lines = _llama_cpp_lines(loud.stderr)
+    assert len(lines) >= 20, loud.stderr[-2000:]  # model loader, context, ... : llama.cpp's own lines
+    assert any("llama_model_loader" in line for line in lines), lines[:5]
+    assert any("llama_context" in line for line in lines), lines[:5]
+
+    for r in (quiet, one_v):  # -v shows edgeinfer's diagnostics, not llama.cpp's log
+        assert _llama_cpp_lines(r.stderr) == [], r.stderr[-2000:]
+        assert "llama_model_loader" not in r.stderr and "llama_context" not in r.stderr, r.stderr[-2000:]
