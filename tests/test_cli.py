@@ -243,3 +243,21 @@ def test_ladder_says_why_its_speeds_are_missing(monkeypatch, capsys):
     state["load"] = "idle"
     assert main(["eval", "--ladder", "smollm2-135m-instruct"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_progress_bar_names_a_count_s_unit_once():
+    """'272/272 tensors', not '272 tensors/272 tensors' (the self-draft's bar); bytes keep a unit each side."""
+    import io
+
+    from edgeinfer.cli._common import ProgressBar
+
+    bar = ProgressBar("making the self-draft", 272, unit=" tensors", stream=io.StringIO())
+    bar.done = 272
+    line = bar._line(bar.start + 2.0)
+    assert "272/272 tensors 136 tensors/s" in line and "272 tensors/" not in line, line
+    plain = ProgressBar("quantizing", 30, stream=io.StringIO())
+    plain.done = 30
+    assert " 30/30 " in plain._line(plain.start + 2.0)
+    data = ProgressBar("pulling", 2_000_000, unit="B", stream=io.StringIO())
+    data.done = 1_000_000
+    assert "1.0 MB/2.0 MB" in data._line(data.start + 2.0)

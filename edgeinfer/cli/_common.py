@@ -221,9 +221,10 @@ class ProgressBar:
             width = 24
             bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
             eta = f" ETA {(self.total - self.done) / rate:4.0f}s" if speed and self.done < self.total else ""
-            return (
-                f"{self.label} [{bar}] {frac * 100:5.1f}% {self._fmt(self.done)}/{self._fmt(self.total)}{speed}{eta}"
-            )
+            # bytes carry their unit on each side; a count carries it once ("272/272 tensors")
+            count = (f"{self._fmt(self.done)}/{self._fmt(self.total)}" if self.unit == "B"
+                     else f"{self.done:.0f}/{self.total:.0f}{self.unit}")
+            return f"{self.label} [{bar}] {frac * 100:5.1f}% {count}{speed}{eta}"
         return f"{self.label} {self._fmt(self.done)}{speed}"
 
     def close(self) -> None:
