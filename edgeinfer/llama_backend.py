@@ -24,8 +24,9 @@ __all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "LOGGER_
 LOGGER_NAME = "edgeinfer.llama_cpp"
 _logger = logging.getLogger(LOGGER_NAME)
 
-# ggml_log_level: NONE 0, INFO 1, WARN 2, ERROR 3, DEBUG 4, CONT 5 (continues the previous line).
-_LEVEL_NAMES = {2: "warning", 3: "error"}
+# ggml_log_level (ggml.h of the pinned llama.cpp): NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+# (continues the previous line). llama-cpp-python's own comment still has an older order.
+_LEVEL_NAMES = {3: "warning", 4: "error"}
 _CONT = 5
 
 _lock = threading.Lock()

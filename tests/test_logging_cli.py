@@ -39,6 +39,10 @@ def test_minus_vv_shows_llama_cpp_log_lines_and_no_flag_does_not(tmp_path: Path)
     assert len(lines) >= 20, loud.stderr[-2000:]  # model loader, context, ... : llama.cpp's own lines
     assert any("llama_model_loader" in line for line in lines), lines[:5]
     assert any("llama_context" in line for line in lines), lines[:5]
+    # llama.cpp's INFO lines (the loader's key/value dump) carry no warning/error label: ggml's levels
+    # are DEBUG 1, INFO 2, WARN 3, ERROR 4 (an older order labelled every INFO line "warning:")
+    loader = [line for line in lines if "llama_model_loader: - kv" in line]
+    assert loader and not any(" warning: " in line or " error: " in line for line in loader), loader[:3]
 
     for r in (quiet, one_v):  # -v shows edgeinfer's diagnostics, not llama.cpp's log
         assert _llama_cpp_lines(r.stderr) == [], r.stderr[-2000:]
