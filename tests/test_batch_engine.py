@@ -282,9 +282,9 @@ def test_close_cancels_running_requests(f16_path):
 
 @pytest.mark.slow
 def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
-    """Continuous batching: while a 1500-token prompt is prefilled (128 tokens a step), a running
+    """Continuous batching: while a 750-token prompt is prefilled (64 tokens a step), a running
     request keeps receiving tokens, instead of waiting for the whole prefill."""
-    batch = BatchOptions(parallel=2, prefill_chunk=128)
+    batch = BatchOptions(parallel=2, prefill_chunk=64)
     with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
         arrivals: list[tuple[str, int]] = []  # (who, index), in the order the readers saw them
         lock = threading.Lock()
@@ -297,12 +297,12 @@ def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
                     arrivals.append((name, i))
                 decoding.set()
 
-        counting = be.generate("1, 2, 3, 4, 5, 6, 7, 8,", greedy(120))
+        counting = be.generate("1, 2, 3, 4, 5, 6, 7, 8,", greedy(60))
         reader = threading.Thread(target=read, args=("running", counting))
         reader.start()
         assert decoding.wait(timeout=300)  # the first request decodes before the long one arrives
-        long_prompt = be.tokenize("word " * 1500)
-        assert len(long_prompt) > 1200
+        long_prompt = be.tokenize("word " * 750)
+        assert len(long_prompt) > 600
         late = be.submit(long_prompt, greedy(4))
         read("long", late)
         reader.join()

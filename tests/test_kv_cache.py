@@ -145,7 +145,7 @@ def test_q8_0_kv_cache_greedy_matches_f16(default_model_path: Path):
 def test_kv_quantization_cost_is_measured_and_ordered(default_model_path: Path):
     from edgeinfer.evaluate import evaluate_kv
 
-    res = {kv: evaluate_kv(default_model_path, kv, kv, ctx=1024, chunks=1, scored=256, n_threads=2)
+    res = {kv: evaluate_kv(default_model_path, kv, kv, ctx=512, chunks=1, scored=256, n_threads=2)
            for kv in ("q8_0", "q4_0")}
     q8, q4 = res["q8_0"], res["q4_0"]
     print(f"KLD q8_0 {q8.kld:.5f} ({q8.same_top:.3f} same top), q4_0 {q4.kld:.5f} ({q4.same_top:.3f})")
