@@ -274,6 +274,11 @@ def test_many_abandoned_generations_leave_nothing_held(engine):
         GenerateOptions(sampling=SamplingOptions(top_k=2**40)),
         GenerateOptions(sampling=SamplingOptions(temperature="hot")),  # type: ignore[arg-type]
         GenerateOptions(sampling=SamplingOptions(temperature=True)),
+        GenerateOptions(sampling=SamplingOptions(temperature=float("inf"))),
+        GenerateOptions(sampling=SamplingOptions(top_p=float("nan"))),
+        GenerateOptions(sampling=SamplingOptions(top_p=5.0)),
+        GenerateOptions(sampling=SamplingOptions(min_p=float("inf"))),
+        GenerateOptions(sampling=SamplingOptions(repeat_penalty=float("nan"))),
         GenerateOptions(sampling=SamplingOptions(seed="7")),  # type: ignore[arg-type]
         GenerateOptions(sampling=SamplingOptions(repeat_last_n=None)),  # type: ignore[arg-type]
         GenerateOptions(speculation=SpeculationOptions(method=3)),  # type: ignore[arg-type]
@@ -386,3 +391,30 @@ def test_engine_llama_assigns_no_struct_field_directly():
                             and target.value.id in ("mparams", "cparams", "params", "b")):
                         allowed = target.value.id == "b" and target.attr == "n_tokens"  # batch: fields checked once
                         assert allowed, f"{module.__name__}:{node.lineno} sets {target.value.id}.{target.attr} directly"
+
+
+def test_the_child_processes_assign_only_declared_struct_fields():
+    """The load probe and the quantizer child import nothing from edgeinfer (no set_fields): every
+    field they assign on a llama.cpp struct must be one the installed struct declares."""
+    import ast
+
+    import edgeinfer.load_probe as probe_module
+    import edgeinfer.quantize_child as quantize_module
+    from edgeinfer.engine.llama import backend
+
+    ll = backend()
+    structs = {"mparams": ll.llama_model_params, "cparams": ll.llama_context_params,
+               "params": ll.llama_model_quantize_params}
+    checked = 0
+    for module in (probe_module, quantize_module):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                            and target.value.id in structs:
+                        declared = {f[0] for f in structs[target.value.id]._fields_}
+                        assert target.attr in declared, f"{module.__name__}:{node.lineno} sets undeclared " \
+                                                        f"{target.value.id}.{target.attr}"
+                        checked += 1
+    assert checked >= 15  # the probe's 7 context/model fields and the quantizer's 9

@@ -6,20 +6,25 @@ types, dimensions, offsets, NaN/inf floats, duplicated tokens, truncation. For e
 - the validator raises nothing but InvalidModelError;
 - it allocates no more than a small multiple of the header size: the tracemalloc peak for the
   synthetic model's mutants; for the default model's (whose 1.6 MB header takes ~1.5 s to walk
-  under tracemalloc instead of ~0.1 s) the growth of the process's peak RSS;
+  under tracemalloc instead of ~0.1 s) the growth of the process's peak RSS, reset to the current
+  RSS before each mutant (Linux /proc/self/clear_refs: a peak left by an earlier test, e.g. a
+  loaded model, would otherwise hide any allocation below it);
 - (slow tier) every mutant it accepts loads in llama.cpp in a child process without a signal.
 
-EDGEINFER_FUZZ_N sets the number of mutants (default 510: 480 synthetic, 30 of the default
-model; the same proportion otherwise), EDGEINFER_FUZZ_SEED the seed, EDGEINFER_FUZZ_PROBES how
-many accepted mutants the slow test loads in llama.cpp.
+Two campaigns: the fast tier's (EDGEINFER_FUZZ_N mutants, default 510: 480 synthetic, 30 of the
+default model) and the slow tier's (EDGEINFER_FUZZ_SLOW_N, default 2040, another seed), in the
+same proportion. EDGEINFER_FUZZ_SEED sets the seed (the slow campaign uses the next one);
+EDGEINFER_FUZZ_PROBES caps how many accepted mutants are loaded in llama.cpp (default: all).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import resource
 import struct
+import sys
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +40,13 @@ SEED = int(os.environ.get("EDGEINFER_FUZZ_SEED", "12"))
 N_TOTAL = int(os.environ.get("EDGEINFER_FUZZ_N", "510"))
 N_DEFAULT = max(1, N_TOTAL // 17)
 N_SYNTHETIC = N_TOTAL - N_DEFAULT
-N_PROBED = int(os.environ.get("EDGEINFER_FUZZ_PROBES", "50"))
+SLOW_SEED = SEED + 1
+N_SLOW = int(os.environ.get("EDGEINFER_FUZZ_SLOW_N", "2040"))
+N_SLOW_DEFAULT = max(1, N_SLOW // 17)
+N_SLOW_SYNTHETIC = N_SLOW - N_SLOW_DEFAULT
+# campaign -> (seed, synthetic mutants, default-model mutants)
+CAMPAIGNS = {"fast": (SEED, N_SYNTHETIC, N_DEFAULT), "slow": (SLOW_SEED, N_SLOW_SYNTHETIC, N_SLOW_DEFAULT)}
+N_PROBED = int(os.environ.get("EDGEINFER_FUZZ_PROBES", "0")) or None  # None: every accepted mutant
 # What the validator may allocate: this multiple of the header, plus a fixed allowance.
 MEMORY_FACTOR, MEMORY_SLACK = 4, 1 << 20
 
@@ -195,6 +206,8 @@ def run_fuzz(seed_file: Path, n: int, rng: random.Random, workdir: Path, *, spar
                 f.truncate(full_size)  # the tensor data: a hole of the original size
         if traced:
             tracemalloc.start()
+        else:
+            rss_before = _reset_peak_rss() or rss_before
         try:
             validate_file(path)
         except InvalidModelError as e:
@@ -220,6 +233,17 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _reset_peak_rss() -> int | None:
+    """Set this process's peak RSS back to its current RSS (Linux: "5" to /proc/self/clear_refs)
+    and return it in bytes; None where that cannot be done (the peak is then the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _peak_rss()
+
+
 def _read_head(path: Path, header_bytes: int) -> bytes:
     with open(path, "rb") as f:
         return f.read(header_bytes)
@@ -237,38 +261,64 @@ def synthetic_seed(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("fuzz-seed") / "sample.gguf")
 
 
-@pytest.fixture(scope="module")
-def fuzz_results(tmp_path_factory, synthetic_seed, default_model_path) -> dict[str, Outcome]:
-    rng = random.Random(SEED)
+@pytest.fixture(scope="module", params=["fast", pytest.param("slow", marks=pytest.mark.slow)])
+def fuzz_results(request, tmp_path_factory, synthetic_seed, default_model_path) -> dict[str, Outcome]:
+    """One campaign: the fast tier's 510 mutants (a few seconds), or the slow tier's 2040."""
+    seed, n_synthetic, n_default = CAMPAIGNS[request.param]
+    rng = random.Random(seed)
     results = {}
-    work = tmp_path_factory.mktemp("fuzz-synthetic")
-    results["synthetic"] = run_fuzz(synthetic_seed, N_SYNTHETIC, rng, work, sparse_from=None)
-    work = tmp_path_factory.mktemp("fuzz-default")
-    results["default"] = run_fuzz(default_model_path, N_DEFAULT, rng, work, sparse_from=_header_size(default_model_path))
+    work = tmp_path_factory.mktemp(f"fuzz-{request.param}-synthetic")
+    results["synthetic"] = run_fuzz(synthetic_seed, n_synthetic, rng, work, sparse_from=None)
+    work = tmp_path_factory.mktemp(f"fuzz-{request.param}-default")
+    results["default"] = run_fuzz(default_model_path, n_default, rng, work, sparse_from=_header_size(default_model_path))
     return results
 
 
-@pytest.mark.slow  # a fuzz campaign: thousands of mutants, seconds of work
-def test_validator_raises_only_invalid_model_error(fuzz_results):
+def test_validator_raises_only_invalid_model_error(fuzz_results, request):
     wrong = [w for r in fuzz_results.values() for w in r.wrong_errors]
     assert not wrong, "\n".join(wrong[:20])
     tried = sum(len(r.accepted) + r.refused + len(r.wrong_errors) for r in fuzz_results.values())
-    assert tried == N_TOTAL
+    _, n_synthetic, n_default = CAMPAIGNS[request.node.callspec.params["fuzz_results"]]
+    assert tried == n_synthetic + n_default
     # the mutations must reach past the first check: both outcomes occur
     assert sum(r.refused for r in fuzz_results.values()) > 0
     assert sum(len(r.accepted) for r in fuzz_results.values()) > 0
 
 
-@pytest.mark.slow
 def test_validator_memory_is_bounded_by_the_header(fuzz_results):
     over = [w for r in fuzz_results.values() for w in r.over_memory]
     assert not over, "\n".join(over[:20])
 
 
+def test_the_memory_measure_sees_an_allocation_below_an_earlier_peak(tmp_path, default_model_path, monkeypatch):
+    """The default model's mutants are measured by peak RSS: a validator that copied a lying length
+    must be caught even after the process once held far more (a model loaded by an earlier test)."""
+    if _reset_peak_rss() is None:
+        pytest.skip("the peak RSS cannot be reset here (not Linux)")
+    _touch(64 << 20)  # the process's peak is now 64 MiB above what it holds
+    real = validate_file
+
+    def copying_validator(path):
+        if Path(path).name.startswith("mutant-"):
+            _touch(16 << 20)  # what a lying length made the old reader copy
+        return real(path)
+
+    monkeypatch.setattr(sys.modules[__name__], "validate_file", copying_validator)
+    out = run_fuzz(default_model_path, 1, random.Random(SEED), tmp_path, sparse_from=_header_size(default_model_path))
+    assert len(out.over_memory) == 1, out
+
+
+def _touch(n: int) -> None:
+    """Take n fresh bytes of memory (an anonymous mapping, every page written), then give them back."""
+    with mmap.mmap(-1, n) as m:
+        for at in range(0, n, mmap.PAGESIZE):
+            m[at] = 1
+
+
 @pytest.mark.slow
 def test_accepted_mutants_load_in_llama_cpp_without_a_signal(fuzz_results):
     accepted = [p for r in fuzz_results.values() for p in r.accepted]
-    sample = random.Random(SEED).sample(accepted, min(N_PROBED, len(accepted)))
+    sample = accepted if N_PROBED is None else random.Random(SEED).sample(accepted, min(N_PROBED, len(accepted)))
     crashed = []
     for path in sample:
         try:

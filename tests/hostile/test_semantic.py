@@ -249,3 +249,38 @@ def test_a_second_validation_skips_the_vocabulary_walk_only_for_the_same_file(tm
     with pytest.raises(InvalidModelError, match="same text"):
         validate_file(path, store)
     assert walks == [1]
+
+
+# -- pull: a GGUF taken as it is passes the same gate before it is registered -------------------
+
+
+@pytest.fixture
+def local_hub(tmp_path, monkeypatch):
+    from hub_server import HubServer, point_client_at
+
+    with HubServer() as server:
+        point_client_at(monkeypatch, server.url, tmp_path / "hf-cache")
+        yield server
+
+
+def test_pull_refuses_what_llama_cpp_would_abort_on(tmp_path, local_hub, probes):
+    import edgeinfer
+    from edgeinfer import Store
+
+    bad = write_model(tmp_path / "bad.gguf", **CASES["F16 output_norm"][0])
+    local_hub.add_repo("evil/Bad-GGUF", {"Bad-F32.gguf": bad})
+    with pytest.raises(InvalidModelError, match="output_norm.weight") as info:
+        edgeinfer.pull("evil/Bad-GGUF")
+    assert "\n" not in str(info.value)
+    assert probes == []  # refused before llama.cpp saw it, even in a child
+    assert all(m.name != "bad" for m in Store().list())
+
+
+def test_pull_loads_a_new_file_once_in_a_child_and_records_it(tmp_path, local_hub, probes):
+    import edgeinfer
+
+    good = write_model(tmp_path / "good.gguf")
+    local_hub.add_repo("kind/Good-GGUF", {"Good-F32.gguf": good})
+    manifest = edgeinfer.pull("kind/Good-GGUF").manifest
+    assert probes == ["Good-F32.gguf"]
+    assert manifest.load_checked == manifest.sha256

@@ -329,6 +329,29 @@ def test_du_and_gc_find_partials_and_orphans(edgeinfer_home, tmp_path, capsys):
     assert main(["gc"]) == 0 and "nothing to collect" in capsys.readouterr().out
 
 
+def test_rm_purge_also_removes_that_models_leftovers(edgeinfer_home, capsys):
+    store = Store()
+    store.register(store.get(DEFAULT_MODEL).path, "x", "q4", owned=False)
+    models = store.models_dir
+    (models / "x").mkdir()
+    (models / "y").mkdir()
+    partial = models / "x" / f".x-q8_0.gguf.abc{PARTIAL_SUFFIX}"
+    partial.write_bytes(b"\0" * 4096)
+    _age(partial)
+    orphan = models / "x" / "x-q2_k.gguf"
+    orphan.write_bytes(b"\0" * 8192)
+    _age(orphan)
+    other = models / "y" / f".y-q8_0.gguf.def{PARTIAL_SUFFIX}"  # another model's: not this rm's business
+    other.write_bytes(b"\0" * 4096)
+    _age(other)
+    assert main(["rm", "--purge", "x:q4"]) == 0
+    out = capsys.readouterr().out
+    assert "removed x:q4" in out
+    assert f"removed partial file {partial}" in out and f"removed orphan file {orphan}" in out, out
+    assert not partial.exists() and not orphan.exists() and other.exists()
+    assert store.get(DEFAULT_MODEL).path.exists()  # the file it named is not the store's
+
+
 def test_gc_spares_live_writers_and_registered_files(edgeinfer_home, default_model_path):
     import shutil
 
