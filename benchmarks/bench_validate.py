@@ -1,9 +1,11 @@
 """What the gate before llama.cpp costs (edgeinfer.validate), next to what loading costs.
 
-For each model: our validation (structure + semantics: `validate_file`), the child-process first
-load (`probe_load`, once per file), the whole gate on a second load (`admit` with the store's
-memory of the first), and llama.cpp's own load (model + context, in this process). Rows alternate
-between the steps, medians of --rounds; the ratio is gate-on-a-second-load / load.
+For each model: our validation (structure + semantics: `validate_file`), the sha256 of the file
+(how a never-seen file is looked up; a store registration computes it anyway), the child-process
+first load (`probe_load`, once per file), their sum (what the gate adds to a file's first load),
+the whole gate on a second load (`admit` with the store's memory of the first), and llama.cpp's
+own load (model + context, in this process). Rows alternate between the steps, medians of
+--rounds; the ratio is gate-on-a-second-load / load.
 
     .venv/bin/python benchmarks/bench_validate.py [MODEL.gguf ...] [--rounds 5]
 
@@ -50,18 +52,21 @@ def main() -> int:
         os.environ["EDGEINFER_HOME"] = home
         os.environ.pop("EDGEINFER_LOAD_PROBE", None)
         from edgeinfer import Store
+        from edgeinfer.fsutil import sha256_file
         from edgeinfer.engine.llama import LlamaRuntime
         from edgeinfer.engine.options import LoadOptions
         from edgeinfer.validate import LoadChecks, admit, probe_load, validate_file
 
         store = Store()
-        print(f"{'model':44} {'size':>8} {'validate':>9} {'probe':>8} {'gate 2nd':>9} {'load':>8} {'gate/load':>9}")
+        print(f"{'model':44} {'size':>8} {'validate':>9} {'sha256':>8} {'probe':>8} {'1st gate':>9} "
+              f"{'gate 2nd':>9} {'load':>8} {'gate/load':>9}")
         for model in args.models or _default_models():
             model = Path(model)
             LoadChecks(store).ensure_loads(model, None)  # first load, as a user's first `run` pays it
-            rows: dict[str, list[float]] = {"validate": [], "probe": [], "gate": [], "load": []}
+            rows: dict[str, list[float]] = {"validate": [], "hash": [], "probe": [], "gate": [], "load": []}
             for _ in range(args.rounds):
                 rows["validate"].append(_time(lambda: validate_file(model)))
+                rows["hash"].append(_time(lambda: sha256_file(model)))
                 rows["probe"].append(_time(lambda: probe_load(model)))
                 rows["gate"].append(_time(lambda: admit(model, store)))
 
@@ -71,8 +76,10 @@ def main() -> int:
 
                 rows["load"].append(_time(load))
             med = {k: statistics.median(v) for k, v in rows.items()}
-            print(f"{model.name[:44]:44} {model.stat().st_size / 1e9:7.2f}G {med['validate']:8.3f}s {med['probe']:7.2f}s "
-                  f"{med['gate']:8.3f}s {med['load']:7.3f}s {med['gate'] / med['load']:8.1%}")
+            first = med["validate"] + med["hash"] + med["probe"]
+            print(f"{model.name[:44]:44} {model.stat().st_size / 1e9:7.2f}G {med['validate']:8.3f}s {med['hash']:7.2f}s "
+                  f"{med['probe']:7.2f}s {first:8.2f}s {med['gate']:8.3f}s {med['load']:7.3f}s "
+                  f"{med['gate'] / med['load']:8.1%}")
     return 0
 
 
