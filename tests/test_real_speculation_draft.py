@@ -103,7 +103,11 @@ def test_the_0_5b_draft_switches_itself_off_and_output_is_plain(qwen_engine, qwe
     assert "off" in sp.note and "target steps" in sp.note, sp
     assert fast.tokens == plain.tokens
     if form.startswith("draft"):
-        assert sp.drafted == 0  # switched off before drafting anything
+        # Off before drafting, or after its first draft step: the first estimate is taken after a
+        # short prefix (the draft is not prefilled for it), and the first step at the prompt's depth
+        # measures what drafting really costs there (serially on one VM: 0.57 target steps, off
+        # after one drafted token).
+        assert sp.steps <= 1, sp
 
 
 def test_cli_draft_needs_auto_or_draft(capsys) -> None:
