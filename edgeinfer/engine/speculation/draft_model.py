@@ -91,7 +91,8 @@ class ModelDrafter:
         self.policy = policy
         self.p_min = p_min
         self.method = method
-        self.step_s = 0.0  # measured seconds per draft token (EWMA)
+        self.step_s = 0.0  # seconds per draft token: the estimate, then measured (EWMA)
+        self.measured = False  # whether step_s comes from drafting at the request's own depth
         self.enabled = True
         self.note = ""
         self.sampler: Sampler | None = None
@@ -174,7 +175,10 @@ class ModelDrafter:
             last = tok
         if out:
             per = (time.perf_counter() - t0) / len(out)
-            self.step_s = per if self.step_s == 0 else 0.8 * self.step_s + 0.2 * per
+            # The first real draft replaces the estimate (taken after a short prefix, it can be
+            # far too cheap at the prompt's depth); later ones are smoothed.
+            self.step_s = 0.8 * self.step_s + 0.2 * per if self.measured else per
+            self.measured = True
             # What drafting really costs at this context length replaces the first estimate
             # (measured after a short prefix) for the next requests.
             _relative_step_cache[self.rt] = self.draft_cost(self.policy.costs.time(1))
