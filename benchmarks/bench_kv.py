@@ -9,7 +9,7 @@ weights with an f16 cache (KLD, same-top; evaluate_kv's measurement, the f16 ref
 on --kld-ctx-token chunks of the eval text, the last --kld-scored positions of each.
 
     .venv/bin/python benchmarks/bench_kv.py [--model REF] [--depths 8192,16384] [--types f16,q8_0,q4_0]
-        [--rounds 3] [--decode 64] [--threads 2] [--kld] [--kld-ctx 4096]
+        [--rounds 3] [--decode 64] [--threads 2] [--kld] [--kld-ctx 4096] [--kld-only]
 
 On a shared machine use --threads 1: with two threads on two busy cores an 8k prefill of the
 default model ran at 8.8 tok/s and decode at 0.1 tok/s (2026-12-01, load 10-14).
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--kld", action="store_true", help="also measure KLD/same-top against an f16 cache")
     ap.add_argument("--kld-ctx", type=int, default=4096, help="chunk size of the KLD measurement")
     ap.add_argument("--kld-scored", type=int, default=512, help="positions scored at the end of each chunk")
+    ap.add_argument("--kld-only", action="store_true", help="only the KLD/same-top table (no speed rows)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
 
@@ -110,6 +111,14 @@ def main() -> None:
 
     model = str(Store().resolve(args.model)[0])
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
+    if args.kld_only:
+        print(f"model {model}: KV-cache types against an f16 cache, KLD at ctx {args.kld_ctx}, "
+              f"last {args.kld_scored} positions of each chunk, {args.threads} threads")
+        print("| KV type | KLD | ± | same-top % | positions |")
+        print("|---|---|---|---|---|")
+        for t, (kld, se, same, n) in zip(types, kv_quality(model, types, args.kld_ctx, args.kld_scored, args.threads)):
+            print(f"| {t} | {kld:.5f} | {se:.5f} | {same * 100:.2f} | {n} |")
+        return
     depths = [int(d) for d in args.depths.split(",")]
     rows = []
     for depth in depths:
