@@ -30,12 +30,14 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-__all__ = ["HubServer", "RequestRecord", "git_blob_sha1", "tiny_gguf", "point_client_at", "LFS_SUFFIXES"]
+__all__ = ["HubServer", "RequestRecord", "git_blob_sha1", "tiny_gguf", "point_client_at", "local_hub", "LFS_SUFFIXES"]
 
 LFS_SUFFIXES = (".gguf", ".safetensors", ".bin")
 _CHUNK = 1 << 20
@@ -497,3 +499,11 @@ def point_client_at(monkeypatch, url: str, cache: Path) -> None:
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(cache.parent / "no-token"))
     for var in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
+
+
+@contextmanager
+def local_hub(monkeypatch, cache: Path) -> Iterator[HubServer]:
+    """A running local Hub with huggingface_hub pointed at it and at `cache`; stopped on exit."""
+    with HubServer() as server:
+        point_client_at(monkeypatch, server.url, cache)
+        yield server

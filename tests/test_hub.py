@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer, point_client_at, tiny_gguf
+from hub_server import local_hub, tiny_gguf
 
 import edgeinfer
 from edgeinfer import hub as hubmod
@@ -34,11 +34,9 @@ REPO = "tester/Tiny-GGUF"
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """A local Hub, with huggingface_hub pointed at it and at a fresh cache."""
-    server = HubServer().start()
-    point_client_at(monkeypatch, server.url, tmp_path / "hf-cache")
     monkeypatch.setattr(download, "_BACKOFF_S", 0.0)
-    yield server
-    server.stop()
+    with local_hub(monkeypatch, tmp_path / "hf-cache") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from hub_server import HubServer, point_client_at, tiny_gguf
+from hub_server import local_hub, tiny_gguf
 
 from edgeinfer.hub import download
 from edgeinfer.cli import main
@@ -20,21 +20,19 @@ REPO = "tester/Tiny-GGUF"
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    server = HubServer().start()
-    point_client_at(monkeypatch, server.url, tmp_path / "hf-home" / "hub")
     monkeypatch.setattr(download, "_BACKOFF_S", 0.0)
     src = tmp_path / "src"
     src.mkdir()
-    server.add_repo(
-        REPO,
-        {
-            "Tiny-Q4_K_M.gguf": tiny_gguf(src / "a.gguf", "Q4_K_M"),
-            "Tiny-Q8_0.gguf": tiny_gguf(src / "b.gguf", "Q8_0", rows=16),
-            "Tiny-F16.gguf": tiny_gguf(src / "c.gguf", "F16", rows=4096),  # 4 MiB
-        },
-    )
-    yield server
-    server.stop()
+    with local_hub(monkeypatch, tmp_path / "hf-home" / "hub") as server:
+        server.add_repo(
+            REPO,
+            {
+                "Tiny-Q4_K_M.gguf": tiny_gguf(src / "a.gguf", "Q4_K_M"),
+                "Tiny-Q8_0.gguf": tiny_gguf(src / "b.gguf", "Q8_0", rows=16),
+                "Tiny-F16.gguf": tiny_gguf(src / "c.gguf", "F16", rows=4096),  # 4 MiB
+            },
+        )
+        yield server
 
 
 def test_pull_prints_plan_progress_and_ref(hub, capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer, point_client_at, tiny_gguf
+from hub_server import local_hub, tiny_gguf
 
 import edgeinfer
 from edgeinfer.cli import main
@@ -31,10 +31,8 @@ def _folder_files(folder: Path) -> dict[str, Path]:
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    server = HubServer().start()
-    point_client_at(monkeypatch, server.url, tmp_path / "hf-cache")
-    yield server
-    server.stop()
+    with local_hub(monkeypatch, tmp_path / "hf-cache") as server:
+        yield server
 
 
 def test_gguf_repo_pull_answers_like_the_file_it_came_from(hub, tmp_path, default_model_path):

@@ -256,10 +256,9 @@ def test_a_second_validation_skips_the_vocabulary_walk_only_for_the_same_file(tm
 
 @pytest.fixture
 def local_hub(tmp_path, monkeypatch):
-    from hub_server import HubServer, point_client_at
+    from hub_server import local_hub
 
-    with HubServer() as server:
-        point_client_at(monkeypatch, server.url, tmp_path / "hf-cache")
+    with local_hub(monkeypatch, tmp_path / "hf-cache") as server:
         yield server
 
 
