@@ -289,16 +289,18 @@ def _age(path: Path) -> Path:
     return path
 
 
+def _leftover(path: Path, size: int) -> Path:
+    """A file of `size` zero bytes, old enough that no running writer can own it."""
+    path.write_bytes(b"\0" * size)
+    return _age(path)
+
+
 def test_du_and_gc_find_partials_and_orphans(edgeinfer_home, tmp_path, capsys):
     store = Store()
     models = store.models_dir
     (models / "x").mkdir()
-    partial = models / "x" / f".x-q4_k_m.gguf.abc123{PARTIAL_SUFFIX}"
-    partial.write_bytes(b"\0" * 4096)
-    _age(partial)
-    orphan = models / "x" / "x-q8_0.gguf"
-    orphan.write_bytes(b"\0" * 8192)
-    _age(orphan)
+    partial = _leftover(models / "x" / f".x-q4_k_m.gguf.abc123{PARTIAL_SUFFIX}", 4096)
+    orphan = _leftover(models / "x" / "x-q8_0.gguf", 8192)
     manifest_partial = store.manifests_dir / "x" / f".q8_0.json.zz{PARTIAL_SUFFIX}"
     manifest_partial.parent.mkdir(parents=True)
     manifest_partial.write_text("{")
@@ -335,15 +337,9 @@ def test_rm_purge_also_removes_that_models_leftovers(edgeinfer_home, capsys):
     models = store.models_dir
     (models / "x").mkdir()
     (models / "y").mkdir()
-    partial = models / "x" / f".x-q8_0.gguf.abc{PARTIAL_SUFFIX}"
-    partial.write_bytes(b"\0" * 4096)
-    _age(partial)
-    orphan = models / "x" / "x-q2_k.gguf"
-    orphan.write_bytes(b"\0" * 8192)
-    _age(orphan)
-    other = models / "y" / f".y-q8_0.gguf.def{PARTIAL_SUFFIX}"  # another model's: not this rm's business
-    other.write_bytes(b"\0" * 4096)
-    _age(other)
+    partial = _leftover(models / "x" / f".x-q8_0.gguf.abc{PARTIAL_SUFFIX}", 4096)
+    orphan = _leftover(models / "x" / "x-q2_k.gguf", 8192)
+    other = _leftover(models / "y" / f".y-q8_0.gguf.def{PARTIAL_SUFFIX}", 4096)  # another model's: not rm's business
     assert main(["rm", "--purge", "x:q4"]) == 0
     out = capsys.readouterr().out
     assert "removed x:q4" in out
