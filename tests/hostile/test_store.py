@@ -22,7 +22,7 @@ import pytest
 from edgeinfer import DEFAULT_MODEL, Store
 from edgeinfer.cli import main
 from edgeinfer.errors import InvalidOptionError, StoreError
-from edgeinfer.fsutil import PARTIAL_SUFFIX, atomic_path
+from edgeinfer.fsutil import PARTIAL_SUFFIX, atomic_path, being_written
 
 from ._support import one_line_error, writer_elsewhere
 
@@ -460,6 +460,9 @@ def test_kill_during_quantize_leaves_a_partial_that_du_shows_and_gc_removes(edge
     proc.wait(30)
     partials = _partials(edgeinfer_home)
     assert len(partials) == 1
+    # The quantizer child dies with its parent, but a moment later on a loaded machine: until its
+    # lock goes, the partial is a live writer's, which du rightly does not call unused.
+    _wait_for(lambda: not being_written(partials[0]), timeout=30)
     du = subprocess.run([sys.executable, "-m", "edgeinfer", "du"], capture_output=True, text=True, timeout=120)
     assert du.returncode == 0 and str(partials[0]) in du.stdout and "unused:" in du.stdout, du.stdout + du.stderr
     gc = subprocess.run([sys.executable, "-m", "edgeinfer", "gc"], capture_output=True, text=True, timeout=120)
