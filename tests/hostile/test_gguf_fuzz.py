@@ -41,12 +41,12 @@ SEED = int(os.environ.get("EDGEINFER_FUZZ_SEED", "12"))
 N_TOTAL = int(os.environ.get("EDGEINFER_FUZZ_N", "510"))
 N_DEFAULT = max(1, N_TOTAL // 17)
 N_SYNTHETIC = N_TOTAL - N_DEFAULT
-SLOW_SEED = SEED + 1
-N_SLOW = int(os.environ.get("EDGEINFER_FUZZ_MORE", "0"))
-N_SLOW_DEFAULT = max(1, N_SLOW // 17)
-N_SLOW_SYNTHETIC = N_SLOW - N_SLOW_DEFAULT
+MORE_SEED = SEED + 1
+N_MORE = int(os.environ.get("EDGEINFER_FUZZ_MORE", "0"))
+N_MORE_DEFAULT = max(1, N_MORE // 17)
+N_MORE_SYNTHETIC = N_MORE - N_MORE_DEFAULT
 # campaign -> (seed, synthetic mutants, default-model mutants)
-CAMPAIGNS = {"fast": (SEED, N_SYNTHETIC, N_DEFAULT), "slow": (SLOW_SEED, N_SLOW_SYNTHETIC, N_SLOW_DEFAULT)}
+CAMPAIGNS = {"suite": (SEED, N_SYNTHETIC, N_DEFAULT), "more": (MORE_SEED, N_MORE_SYNTHETIC, N_MORE_DEFAULT)}
 N_PROBED = int(os.environ.get("EDGEINFER_FUZZ_PROBES", "0")) or None  # None: every accepted mutant
 # What the validator may allocate: this multiple of the header, plus a fixed allowance.
 MEMORY_FACTOR, MEMORY_SLACK = 4, 1 << 20
@@ -262,8 +262,8 @@ def synthetic_seed(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("fuzz-seed") / "sample.gguf")
 
 
-@pytest.fixture(scope="module", params=["fast", pytest.param("slow", marks=[pytest.mark.slow, pytest.mark.skipif(
-    N_SLOW <= 0, reason="the longer fuzz campaign runs with EDGEINFER_FUZZ_MORE=N (e.g. 2040)")])])
+@pytest.fixture(scope="module", params=["suite", pytest.param("more", marks=[pytest.mark.slow, pytest.mark.skipif(
+    N_MORE <= 0, reason="the longer fuzz campaign runs with EDGEINFER_FUZZ_MORE=N (e.g. 2040)")])])
 def fuzz_results(request, tmp_path_factory, synthetic_seed, default_model_path) -> dict[str, Outcome]:
     """One campaign: the suite's 510 mutants (a few seconds), or EDGEINFER_FUZZ_MORE's."""
     seed, n_synthetic, n_default = CAMPAIGNS[request.param]
