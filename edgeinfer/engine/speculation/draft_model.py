@@ -175,12 +175,11 @@ class ModelDrafter:
             last = tok
         if out:
             per = (time.perf_counter() - t0) / len(out)
-            # The first real draft replaces the estimate (taken after a short prefix, it can be
-            # far too cheap at the prompt's depth); later ones are smoothed.
+            # The first real draft replaces the estimate (taken after a short prefix, it can be far
+            # too cheap at the prompt's depth), for this request and the next ones; later drafts
+            # are smoothed.
             self.step_s = 0.8 * self.step_s + 0.2 * per if self.measured else per
             self.measured = True
-            # What drafting really costs at this context length replaces the first estimate
-            # (measured after a short prefix) for the next requests.
             _relative_step_cache[self.rt] = self.draft_cost(self.policy.costs.time(1))
             self._too_slow()
         return out
