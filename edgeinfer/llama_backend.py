@@ -19,7 +19,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "LOGGER_NAME", "THREADS_PER_CORE"]
+from .errors import InvalidOptionError
+
+__all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "env_threads", "LOGGER_NAME",
+           "THREADS_ENV", "THREADS_PER_CORE"]
 
 LOGGER_NAME = "edgeinfer.llama_cpp"
 _logger = logging.getLogger(LOGGER_NAME)
@@ -45,6 +48,26 @@ THREADS_PER_CORE = 4
 def max_threads() -> int:
     """The most threads llama.cpp may be given (decoding, quantizing): a small multiple of the CPUs."""
     return THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
+# Pins llama.cpp's thread count wherever the caller gives none: a container whose CPU quota the
+# affinity mask does not show, or a test runner's workers that each own a share of the cores.
+THREADS_ENV = "EDGEINFER_THREADS"
+
+
+def env_threads() -> int | None:
+    """The thread count EDGEINFER_THREADS pins, or None when it is unset or empty."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= max_threads():
+        raise InvalidOptionError(f"{THREADS_ENV} must be a whole number in [1, {max_threads()}] "
+                                 f"({THREADS_PER_CORE} per CPU core), got {raw!r}")
+    return n
 
 
 def backend() -> Any:

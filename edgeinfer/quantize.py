@@ -39,7 +39,7 @@ from .cancel import CancelToken, raise_if_cancelled
 from .errors import InvalidOptionError, QuantizationError, StoreError
 from .fsutil import atomic_path, ensure_free_space, no_space_error
 from .gguf_file import GGUFInfo, read_gguf
-from .llama_backend import LOGGER_NAME, THREADS_PER_CORE, backend, max_threads
+from .llama_backend import LOGGER_NAME, THREADS_PER_CORE, backend, env_threads, max_threads
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
 
 if TYPE_CHECKING:
@@ -284,9 +284,9 @@ def _disk_full(path: Path) -> bool:
 
 
 def _check_threads(n_threads: int | None) -> int:
-    """A thread count that fits llama.cpp's int and this machine (None: every core)."""
+    """A thread count that fits llama.cpp's int and this machine (None: EDGEINFER_THREADS, else every core)."""
     if n_threads is None:
-        return os.cpu_count() or 1
+        return env_threads() or os.cpu_count() or 1
     if isinstance(n_threads, bool) or not isinstance(n_threads, int):
         raise InvalidOptionError(f"threads must be an integer, got {n_threads!r}")
     if not 1 <= n_threads <= max_threads():  # 9,999 threads once took the machine to a load of 1,000

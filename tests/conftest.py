@@ -12,9 +12,16 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-# These machines are shared: OpenMP threads that spin while waiting make llama.cpp 10-20x slower
-# when another process holds a core. Passive waiting changes no result, only scheduling.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# pytest-xdist runs a worker per core: each worker's llama.cpp (and every child process a test
+# starts) gets its share of the cores, pinned, so two workers never fight over a core. OpenMP
+# threads that spin while they wait make llama.cpp 10-20x slower beside another busy process;
+# passive waiting is set for the few tests that pin more threads than their share (it changes no
+# result, only scheduling; on an idle core it costs 2 threads up to 3x on small models, so a run in
+# one process, `-n 0`, leaves both to the engine's own thread governor).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    os.environ.setdefault("EDGEINFER_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The first load of a never-seen GGUF runs in a child process (edgeinfer.validate, 1-4 s a file):
 # off for the suite's known-good files; the tests of that gate (tests/hostile) turn it on.
 os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
@@ -123,8 +130,7 @@ def default_model_copy(tmp_path_factory: pytest.TempPathFactory, default_model_p
         if qtype not in made:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # requantizing Q4_1 warns, by design
-                made[qtype] = quantize_model(default_model_path, qtype, store=store, allow_requantize=True,
-                                             n_threads=2).path
+                made[qtype] = quantize_model(default_model_path, qtype, store=store, allow_requantize=True).path
         return made[qtype]
 
     return make

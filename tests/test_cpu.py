@@ -6,6 +6,7 @@ such processes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from edgeinfer.cpu import CpuSample, ThreadGovernor, others_busy, read_sample, threads_for, usable_cores
+from edgeinfer.llama_backend import THREADS_ENV
 
 BUSY_LOOP = "import time\nend = time.time() + 120\nwhile time.time() < end: pass\n"
 
@@ -133,24 +135,53 @@ def test_busy_processes_count_as_others_and_our_own_threads_do_not():
 
 @pytest.mark.slow
 @pytest.mark.skipif(read_sample() is None, reason="no /proc/stat")
-def test_an_unpinned_engine_gives_up_threads_to_busy_processes(default_model_path):
+def test_an_unpinned_engine_gives_up_threads_to_busy_processes(default_model_path, monkeypatch):
     """With every usable core held by a busy process, an unpinned engine decodes on one thread
-    within a few seconds (the governor's re-check); a pinned one keeps what it was given."""
+    within a few seconds (the governor's re-check); one pinned by n_threads or by EDGEINFER_THREADS
+    keeps what it was given."""
     import edgeinfer
 
     n = usable_cores()
     if n < 2:
         pytest.skip("one core: nothing to give up")
+    monkeypatch.delenv(THREADS_ENV, raising=False)  # the suite's workers pin their share
+    unpinned = edgeinfer.load(default_model_path, n_ctx=1024)
+    pinned = edgeinfer.load(default_model_path, n_ctx=1024, n_threads=n)
+    monkeypatch.setenv(THREADS_ENV, str(n))
+    env_pinned = edgeinfer.load(default_model_path, n_ctx=1024)
     procs = busy_processes(n)
     try:
-        with edgeinfer.load(default_model_path, n_ctx=1024) as unpinned, \
-                edgeinfer.load(default_model_path, n_ctx=1024, n_threads=n) as pinned:
+        with unpinned, pinned, env_pinned:
             opts = edgeinfer.GenerateOptions(max_tokens=8, sampling=edgeinfer.SamplingOptions(temperature=0.0))
             deadline = time.monotonic() + 60
             while unpinned.threads != 1 and time.monotonic() < deadline:
                 unpinned.generate("Count from one to ten.", opts).result()
-            pinned.generate("Count from one to ten.", opts).result()
+            for engine in (pinned, env_pinned):
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 2.5:  # past the governor's re-check, had there been one
+                    engine.generate("Count from one to ten.", opts).result()
             assert unpinned.threads == 1
-            assert pinned.threads == n
+            assert pinned.threads == n and env_pinned.threads == n
     finally:
         stop(procs)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "99999"])
+def test_a_bad_edgeinfer_threads_is_one_clear_error(monkeypatch, value):
+    import edgeinfer
+    from edgeinfer.quantize import quantize_model
+
+    monkeypatch.setenv(THREADS_ENV, value)
+    for call in (lambda: edgeinfer.LoadOptions().validate(), lambda: quantize_model("nothing.gguf", "Q4_0")):
+        with pytest.raises(edgeinfer.InvalidOptionError, match=rf"^EDGEINFER_THREADS must be a whole number in \[1, \d+\].*got '{re.escape(value)}'$"):
+            call()
+
+
+def test_edgeinfer_threads_pins_what_the_caller_leaves_open(monkeypatch):
+    import edgeinfer
+
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert edgeinfer.LoadOptions().threads == 3 and edgeinfer.LoadOptions().pinned_threads == 3
+    assert edgeinfer.LoadOptions(n_threads=1).threads == 1  # the caller's count wins
+    monkeypatch.setenv(THREADS_ENV, "")
+    assert edgeinfer.LoadOptions().pinned_threads is None and edgeinfer.LoadOptions().threads == usable_cores()

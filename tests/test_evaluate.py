@@ -33,8 +33,8 @@ def _numpy_reference(model: Path, reference: Path, text: str) -> dict[str, float
     """PPL, KLD, same-top and Δp written from the definitions, on logits of whole chunks (start=0)."""
     import edgeinfer
 
-    with edgeinfer.load(reference, edgeinfer.LoadOptions(n_ctx=CTX, n_threads=2)) as ref, \
-            edgeinfer.load(model, edgeinfer.LoadOptions(n_ctx=CTX, n_threads=2)) as q:
+    with edgeinfer.load(reference, edgeinfer.LoadOptions(n_ctx=CTX)) as ref, \
+            edgeinfer.load(model, edgeinfer.LoadOptions(n_ctx=CTX)) as q:
         tokens = ref.tokenize(text, add_special=True)
         nll, ref_nll, kld, same, dp = [], [], [], [], []
         for c in range(CHUNKS):
@@ -63,7 +63,7 @@ def test_eval_matches_numpy(q4_0_copy: Path, default_model_path: Path):
     from edgeinfer.evaluate import default_eval_text, evaluate
 
     text = default_eval_text()
-    r = evaluate(q4_0_copy, default_model_path, text=text, ctx=CTX, chunks=CHUNKS, n_threads=2)
+    r = evaluate(q4_0_copy, default_model_path, text=text, ctx=CTX, chunks=CHUNKS)
     ref = _numpy_reference(q4_0_copy, default_model_path, text)
     assert r.positions == ref["positions"] == CHUNKS * (CTX - 1 - CTX // 2)
     assert r.ppl == pytest.approx(ref["ppl"], rel=1e-5)
@@ -98,7 +98,7 @@ def test_eval_saves_metrics_and_ladder_table(default_model_path: Path, capsys: p
         warnings.simplefilter("ignore")
         quantize_model("smollm2-135m-instruct:q4_1", "Q8_0", allow_requantize=True, n_threads=2)
     # default reference: the model it was derived from
-    assert main(["eval", "smollm2-135m-instruct:q8_0", "--ctx", "64", "--chunks", "2", "--threads", "2"]) == 0
+    assert main(["eval", "smollm2-135m-instruct:q8_0", "--ctx", "64", "--chunks", "2", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "reference  smollm2-135m-instruct:q4_1" in out and "KLD" in out
     ev = Store().get("smollm2-135m-instruct:q8_0").metrics["eval"]
@@ -128,6 +128,6 @@ def test_a_cancel_stops_the_evaluation_between_chunks(default_model_path: Path, 
         stop.set()
 
     with pytest.raises(Cancelled, match="evaluation cancelled"):
-        evaluate(default_model_path, None, ctx=CTX, chunks=CHUNKS, n_threads=2, on_progress=on_progress,
+        evaluate(default_model_path, None, ctx=CTX, chunks=CHUNKS, on_progress=on_progress,
                  cancel=stop.is_set if as_callable else stop)
     assert [(p.chunk, p.n_chunks) for p in seen] == [(1, CHUNKS)]  # stopped early: 1 of 3 chunks

@@ -101,7 +101,7 @@ def _max_threads() -> int:
 
 # --threads: at most a few per CPU (9,999 threads once took the machine to a load of 1,000)
 threads_type = int_range(1, _max_threads)
-THREADS_HELP = "CPU threads (default: the cores other processes leave free, re-checked while decoding)"
+THREADS_HELP = "CPU threads (default: EDGEINFER_THREADS, else the cores other processes leave free, re-checked while decoding)"
 
 
 def add_encoding_option(p: argparse.ArgumentParser) -> None:

@@ -97,7 +97,7 @@ class LlamaRuntime:
         self.options = options
         self.model = self.ctx = self.batch = None
         # Unpinned threads follow the cores that other processes leave free (edgeinfer.cpu).
-        self._governor = ThreadGovernor(self._set_threads) if options.n_threads is None else None
+        self._governor = ThreadGovernor(self._set_threads) if options.pinned_threads is None else None
         if self._governor is not None:
             self._governor.start()  # the load's duration is the first sample window
         mparams = set_fields(ll.llama_model_default_params(), n_gpu_layers=0, load_mode=ll.LLAMA_LOAD_MODE_MMAP)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from ..errors import InvalidOptionError
 from ..cpu import usable_cores
-from ..llama_backend import THREADS_PER_CORE, max_threads
+from ..llama_backend import THREADS_PER_CORE, env_threads, max_threads
 from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
 
 __all__ = [
@@ -61,7 +61,7 @@ class LoadOptions:
     """How a model is loaded: context, threads, KV cache."""
 
     n_ctx: int | None = None  # None: min(model's trained context, 4096)
-    n_threads: int | None = None  # None: the cores other processes leave free, re-checked (edgeinfer.cpu)
+    n_threads: int | None = None  # None: EDGEINFER_THREADS, else the cores others leave free (edgeinfer.cpu)
     n_batch: int = 512
     kv_type: str = "f16"  # type of both K and V caches (edgeinfer.kv_types.KV_TYPE_NAMES)
     flash_attn: bool | None = None  # None: on when the V cache is quantized (llama.cpp needs it there)
@@ -83,6 +83,7 @@ class LoadOptions:
             if not 1 <= self.n_threads <= max_threads():
                 raise InvalidOptionError(f"threads must be in [1, {max_threads()}] ({THREADS_PER_CORE} per CPU core), "
                                          f"got {self.n_threads}")
+        env_threads()  # a bad EDGEINFER_THREADS fails here, before anything loads
         _int("", "batch size", self.n_batch, 1)
         _instance("", "kv_type", self.kv_type, str, "a string")
         _instance("", "flash_attn", self.flash_attn, (bool, type(None)), "True, False or None")
@@ -94,9 +95,14 @@ class LoadOptions:
         return self
 
     @property
+    def pinned_threads(self) -> int | None:
+        """n_threads, else EDGEINFER_THREADS; None leaves the count to the free cores (edgeinfer.cpu)."""
+        return self.n_threads or env_threads()
+
+    @property
     def threads(self) -> int:
         """The pinned thread count, or the cores this process may use (the most it gets unpinned)."""
-        return self.n_threads or usable_cores()
+        return self.pinned_threads or usable_cores()
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,7 @@ def test_edgeinfer_chat_with_a_q8_0_cache_loads_it_and_answers(default_model_pat
         return super(EdgeInferApp, self).run(headless=True, size=(100, 30), auto_pilot=chat)
 
     monkeypatch.setattr(EdgeInferApp, "run", headless)
-    assert main(["chat", "--kv-type", "q8_0", "--ctx", "1024", "--threads", "2"]) == 0
+    assert main(["chat", "--kv-type", "q8_0", "--ctx", "1024", "--threads", "1"]) == 0
     assert "error" not in seen, seen.get("error")
     assert seen["kv_types"] == ("q8_0", "q8_0") and seen["saved"] == ("q8_0", "q8_0")
     assert str(seen["reply"]).strip()
