@@ -235,10 +235,23 @@ def test_same_request_twice_gives_the_same_answer(default_model_path):
     msgs = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
     with edgeinfer.load(default_model_path, n_ctx=1024, flash_attn=False) as engine:
-        answers = [engine.chat(msgs, greedy(12)).result().tokens for _ in range(3)]
+        done = [engine.chat(msgs, greedy(12)).result() for _ in range(3)]
+        answers = [d.tokens for d in done]
         assert answers[0] == answers[1] == answers[2]
+        # nothing of the prompt is decoded again: its last logits row was remembered
+        assert [d.stats.cached_tokens for d in done[1:]] == [done[0].stats.prompt_tokens] * 2
         engine.reset()
         assert engine.chat(msgs, greedy(12)).result().tokens == answers[0]
+
+        # After a decode that left no output row (as an aborted one does) there is nowhere to put
+        # the row back: the last prompt token is decoded again, and the answer is still the same.
+        with engine._slot.hold() as rt:  # white-box
+            rt.decode([answers[0][0]], logits_from=1)  # no row asks for logits
+            with pytest.raises(IndexError):
+                rt.logits_row(-1)
+        again = engine.chat(msgs, greedy(12)).result()
+        assert again.tokens == answers[0]
+        assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
 
 
 def test_llama_cpp_log_lines_reach_the_logger(default_model_path, caplog):

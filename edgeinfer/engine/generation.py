@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Literal, Protocol
 
+import numpy as np
+
 from ..cancel import CancelToken
 from ..errors import Cancelled, EngineClosedError
 from .events import DoneEvent, Event, FinishReason, GenerationStats, SpeculationProgress, TokenEvent
@@ -74,6 +76,15 @@ class SpeculationSource(Protocol):
 
     def drafter(self, spec: SpeculationOptions, stats: GenerationStats) -> Drafter | None:
         """The request's drafter (None: no speculation); sets stats.speculation when there is one."""
+
+
+def _restore_logits(rt: LlamaRuntime, row: np.ndarray) -> bool:
+    """Write `row` into the last decode's output row; False when that decode left none (aborted)."""
+    try:
+        rt.logits_row(-1)[:] = row
+    except IndexError:
+        return False
+    return True
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -283,8 +294,12 @@ def _loop(req: _Request, rt: LlamaRuntime, sampler: Sampler, drafter: Drafter | 
         # Reuse the cached prefix of the previous request (multi-turn chat re-sends the history).
         n_keep = _common_prefix(rt.cached, prompt)
         whole_prompt_cached = n_keep == len(prompt)
-        saved = rt.prompt_logits
-        if whole_prompt_cached:
+        saved = rt.prompt_logits if whole_prompt_cached else None
+        saved = saved if saved is not None and saved[0] == len(prompt) else None
+        # The same prompt again (a regenerate, a seed sweep): its last logits row was remembered, so
+        # nothing is decoded; the row goes where the sampler reads, the last decode's output row.
+        restored = saved is not None and _restore_logits(rt, saved[1])
+        if whole_prompt_cached and not restored:
             n_keep -= 1  # re-decode the last prompt token to get its logits
         rt.truncate(n_keep)
         stats.cached_tokens = n_keep
@@ -295,12 +310,12 @@ def _loop(req: _Request, rt: LlamaRuntime, sampler: Sampler, drafter: Drafter | 
                     raise DecodeAborted()
                 rt.decode(rest[s : s + rt.n_batch])
         # A one-token re-decode rounds differently from the batched prefill on quantized models
-        # (enough to flip a near-tie), so the same request twice would answer differently.
-        # The prompt's last logits row is remembered and restored instead.
-        if whole_prompt_cached and saved is not None and saved[0] == len(prompt):
+        # (enough to flip a near-tie), so the same request twice would answer differently:
+        # the prompt's last logits row is remembered and restored instead.
+        if saved is not None and not restored:
             rt.logits_row(-1)[:] = saved[1]
             rt.prompt_logits = saved  # the truncate above dropped it
-        else:
+        elif saved is None:
             rt.prompt_logits = (len(prompt), rt.logits_row(-1).copy())
         stats.prefill_s = time.perf_counter() - t0
         stats.prompt_tokens = len(prompt)
