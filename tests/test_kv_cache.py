@@ -87,7 +87,7 @@ def _kv_buffer_mib(default_model_path: Path, **kv) -> float:
 
     lines: list[str] = []
     with log_capture(lambda level, text: lines.append(text)):
-        edgeinfer.load(default_model_path, edgeinfer.LoadOptions(n_ctx=1024, n_threads=2, **kv)).close()
+        edgeinfer.load(default_model_path, edgeinfer.LoadOptions(n_ctx=1024, **kv)).close()
     log = "".join(lines)
     return sum(float(m) for m in re.findall(r"KV buffer size =\s*([\d.]+) MiB", log))
 
@@ -126,7 +126,7 @@ def test_q8_0_kv_cache_greedy_matches_f16(default_model_path: Path):
     opts = GenerateOptions(max_tokens=N_TOKENS, sampling=SamplingOptions(temperature=0.0))
     out = {}
     for kv in ("f16", "q8_0"):
-        with edgeinfer.load(default_model_path, n_ctx=256, n_threads=2, kv_type=kv) as engine:
+        with edgeinfer.load(default_model_path, n_ctx=256, kv_type=kv) as engine:
             out[kv] = engine.generate(PROMPT, opts).result().tokens
             if kv == "f16":
                 prompt = engine.tokenize(PROMPT)
@@ -145,10 +145,10 @@ def test_q8_0_kv_cache_greedy_matches_f16(default_model_path: Path):
 def test_kv_quantization_cost_is_measured_and_ordered(default_model_path: Path):
     from edgeinfer.evaluate import evaluate_kv
 
-    res = {kv: evaluate_kv(default_model_path, kv, kv, ctx=512, chunks=1, scored=256, n_threads=2)
+    res = {kv: evaluate_kv(default_model_path, kv, kv, ctx=256, chunks=1, scored=128)
            for kv in ("q8_0", "q4_0")}
     q8, q4 = res["q8_0"], res["q4_0"]
     print(f"KLD q8_0 {q8.kld:.5f} ({q8.same_top:.3f} same top), q4_0 {q4.kld:.5f} ({q4.same_top:.3f})")
-    assert q8.kv_types == "q8_0/q8_0" and q8.positions == 256
+    assert q8.kv_types == "q8_0/q8_0" and q8.positions == 128
     assert 0 < q8.kld < q4.kld
     assert q8.same_top >= q4.same_top

@@ -127,15 +127,20 @@ def test_real_pair_is_a_compatible_qwen_pair(qwen_pair):
 @pytest.mark.real
 @pytest.mark.slow
 def test_speculation_on_the_real_pair_keeps_plain_output(qwen_pair):
-    """Greedy output of lookup, auto and the 0.5B draft model equals plain decoding on a code edit
-    (short output; the pair's top-2 margins on this prompt are no near-ties)."""
+    """Greedy output of lookup and auto equals plain decoding on a code edit, the real pair's
+    workload cut to its first 24 lines (a 199-token prompt: its prefill on one thread is 5 s, the
+    whole file's 17 s). The 24 tokens' top-2 margins are at least 4.1 (measured), far from the
+    0.3-0.7 a batch-shape rounding moves a logit. The 0.5B drafting greedy is in
+    test_real_speculation_draft.py."""
     import edgeinfer
 
-    target, draft = qwen_pair
-    code = (Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "code_edit.py").read_text()
+    target, _ = qwen_pair
+    workload = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "code_edit.py"
+    code = "".join(workload.read_text().splitlines(keepends=True)[:24])
+    assert code.rstrip().endswith("return round(total, 2)")  # the first function, whole
     messages = [{"role": "user", "content": "Here is a Python file:\n\n```python\n" + code + "```\n\nReturn the "
                  "whole file unchanged except that the function compute_total is renamed to total_stock_value."}]
-    with edgeinfer.load(str(target), n_ctx=2048, n_threads=2) as engine:
+    with edgeinfer.load(str(target), n_ctx=2048) as engine:
         prompt = engine.tokenize(engine.render_chat(messages) + "```python\n", add_special=False, parse_special=True)
 
         def run(spec: edgeinfer.SpeculationOptions) -> edgeinfer.DoneEvent:
@@ -146,9 +151,8 @@ def test_speculation_on_the_real_pair_keeps_plain_output(qwen_pair):
 
         plain = run(edgeinfer.SpeculationOptions(method="off")).tokens
         assert len(plain) == 24
-        for spec in (edgeinfer.SpeculationOptions(method="lookup"), edgeinfer.SpeculationOptions(method="auto"),
-                     edgeinfer.SpeculationOptions(method="draft", draft_model=str(draft))):
+        for spec in (edgeinfer.SpeculationOptions(method="lookup"), edgeinfer.SpeculationOptions(method="auto")):
             done = run(spec)
             assert done.tokens == plain, spec.method
-        # The lookup request drafted (the file is copied): the policy did not switch itself off.
-        assert run(edgeinfer.SpeculationOptions(method="lookup")).stats.speculation.accepted > 0
+            # It drafted (the file is copied): the policy did not switch itself off.
+            assert done.stats.speculation.accepted > 0, (spec.method, done.stats.speculation)
