@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 # Batch sizes timed when the engine starts: both sides of the usual kernel tile edges, then
 # coarser up to a full prefill chunk; other sizes are interpolated, then learned step by step.
 _CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128)
+_RETIMED_ROWS = 16  # sizes up to this are timed twice (the fastest kept): short decodes are noisy
 # Acceptance priors of lookup drafts: the same values Engine's policy uses (chosen by replaying
 # recorded outputs, see benchmarks/replay_speculation.py): 0.7 fresh, 0.9 inside a copied run.
 _PRIOR_FRESH, _PRIOR_RUN = 0.7, 0.9
@@ -924,13 +925,16 @@ class BatchEngine:
 
     def _calibrate(self, reps: int = 2) -> dict[int, float]:
         """Time decodes of R rows spread over the slots as a real step spreads them (fastest of
-        `reps`: other load only ever slows a decode down), placed after each slot's cached
-        tokens and removed again."""
+        `reps` up to _RETIMED_ROWS: other load only ever slows a decode down; the larger ones
+        once, they last long enough to be read well and are most of the time), placed after each
+        slot's cached tokens and removed again."""
         rt = self._runtime
         n = len(self._slots)
         best: dict[int, float] = {}
-        for _ in range(reps):
+        for rep in range(reps):
             for b in _CALIBRATION_ROWS:
+                if rep and b > _RETIMED_ROWS:
+                    break
                 per = -(-b // n)  # rows per slot
                 if b > rt.n_batch or any(len(s.cached) + per > self.slot_ctx for s in self._slots):
                     break
