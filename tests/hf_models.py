@@ -71,8 +71,10 @@ _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # -- safetensors ---------------------------------------------------------------------------------
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+    """Round to nearest even. In uint32: finite values (bits <= 0xFF7FFFFF) cannot overflow."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    assert np.isfinite(x).all(), "weights to export must be finite"
+    return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "float32") -> Path:
@@ -431,9 +433,10 @@ def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Pat
 
 
 # -- llama.cpp logits with an f32 KV cache --------------------------------------------------------
-def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int = 2) -> np.ndarray:
+def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int | None = None) -> np.ndarray:
     """float32 [len(tokens), n_vocab]: logits at every position, one batch, f32 K/V, no flash attention."""
     from edgeinfer.engine.llama import backend
+    from edgeinfer.engine.options import LoadOptions
 
     ll = backend()  # initialised once, llama.cpp's log routed away from stderr
     mp = ll.llama_model_default_params()
@@ -445,7 +448,7 @@ def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int = 2) -> 
     cp.n_ctx = max(64, n)
     cp.n_batch = cp.n_ubatch = max(64, n)
     cp.n_seq_max = 1
-    cp.n_threads = cp.n_threads_batch = n_threads
+    cp.n_threads = cp.n_threads_batch = n_threads or LoadOptions().threads  # EDGEINFER_THREADS, else every core
     cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
     cp.flash_attn_type = 0  # disabled
     ctx = ll.llama_init_from_model(model, cp)
