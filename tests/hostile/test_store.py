@@ -463,6 +463,9 @@ def test_kill_during_quantize_leaves_a_partial_that_du_shows_and_gc_removes(edge
     # The quantizer child dies with its parent, but a moment later on a loaded machine: until its
     # lock goes, the partial is a live writer's, which du rightly does not call unused.
     _wait_for(lambda: not being_written(partials[0]), timeout=30)
+    # du counts only files older than itself, and a write of the dying child can land after the
+    # lock has gone (once under load): wait until nothing has written the partial for 2 s.
+    _wait_for(lambda: time.time() - partials[0].stat().st_mtime > 2.0, timeout=30)
     du = subprocess.run([sys.executable, "-m", "edgeinfer", "du"], capture_output=True, text=True, timeout=120)
     assert du.returncode == 0 and str(partials[0]) in du.stdout and "unused:" in du.stdout, du.stdout + du.stderr
     gc = subprocess.run([sys.executable, "-m", "edgeinfer", "gc"], capture_output=True, text=True, timeout=120)
