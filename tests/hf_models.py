@@ -19,6 +19,7 @@ import functools
 import importlib.metadata
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -423,12 +424,20 @@ def write_dequantized_default_gguf(path: Path) -> Path:
 
 
 def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Path:
-    """The default model exported once per test session (per dtype), under pytest's basetemp."""
-    folder = tmp_path_factory.getbasetemp() / f"smollm2-135m-instruct-hf-{dtype}"
+    """The default model exported once per test run (per dtype): under pytest's basetemp, or
+    beside it for all pytest-xdist workers (their basetemps share a parent), built by the first
+    worker that asks while the others wait on a file lock (an export is ~10 s of CPU)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / f"smollm2-135m-instruct-hf-{dtype}"
     done = folder / ".complete"
-    if not done.exists():
-        export_default_model_to_hf(folder, dtype)
-        done.write_text("ok")
+    with FileLock(str(root / f".smollm2-135m-instruct-hf-{dtype}.lock")):
+        if not done.exists():
+            export_default_model_to_hf(folder, dtype)
+            done.write_text("ok")
     return folder
 
 
