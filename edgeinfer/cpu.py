@@ -11,7 +11,8 @@ So when the caller does not pin a thread count, llama.cpp gets the cores that ot
 read from /proc/stat around the model's load, and re-checked every few seconds while it decodes
 (our own process's CPU time is subtracted, so our own threads never count as "others").
 `OMP_WAIT_POLICY=PASSIVE` (workers sleep instead of spinning) softens the stall (23 → 32 tok/s)
-but costs 20 % on an idle machine (65 → 52), so it is left to the user.
+but costs 2 threads on an idle machine 20 % on one VM (65 → 52) and 3.7x on another (74 → 20), so it
+is left to the user.
 """
 
 from __future__ import annotations
