@@ -21,8 +21,8 @@ from typing import Any
 
 from .errors import InvalidOptionError
 
-__all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "env_threads", "LOGGER_NAME",
-           "THREADS_ENV", "THREADS_PER_CORE"]
+__all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "env_threads", "threads_out_of_range",
+           "LOGGER_NAME", "THREADS_ENV", "THREADS_PER_CORE"]
 
 LOGGER_NAME = "edgeinfer.llama_cpp"
 _logger = logging.getLogger(LOGGER_NAME)
@@ -65,9 +65,13 @@ def env_threads() -> int | None:
     except ValueError:
         n = 0
     if not 1 <= n <= max_threads():
-        raise InvalidOptionError(f"{THREADS_ENV} must be a whole number in [1, {max_threads()}] "
-                                 f"({THREADS_PER_CORE} per CPU core), got {raw!r}")
+        raise threads_out_of_range(f"{THREADS_ENV} must be a whole number", repr(raw))
     return n
+
+
+def threads_out_of_range(what: str, got: object) -> InvalidOptionError:
+    """The one error for a thread count outside [1, max_threads()]; `what` says whose it is."""
+    return InvalidOptionError(f"{what} in [1, {max_threads()}] ({THREADS_PER_CORE} per CPU core), got {got}")
 
 
 def backend() -> Any:

@@ -39,7 +39,7 @@ from .cancel import CancelToken, raise_if_cancelled
 from .errors import InvalidOptionError, QuantizationError, StoreError
 from .fsutil import atomic_path, ensure_free_space, no_space_error
 from .gguf_file import GGUFInfo, read_gguf
-from .llama_backend import LOGGER_NAME, THREADS_PER_CORE, backend, env_threads, max_threads
+from .llama_backend import LOGGER_NAME, backend, env_threads, max_threads, threads_out_of_range
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
 
 if TYPE_CHECKING:
@@ -290,8 +290,7 @@ def _check_threads(n_threads: int | None) -> int:
     if isinstance(n_threads, bool) or not isinstance(n_threads, int):
         raise InvalidOptionError(f"threads must be an integer, got {n_threads!r}")
     if not 1 <= n_threads <= max_threads():  # 9,999 threads once took the machine to a load of 1,000
-        raise InvalidOptionError(f"threads must be in [1, {max_threads()}] ({THREADS_PER_CORE} per CPU core), "
-                                 f"got {n_threads}")
+        raise threads_out_of_range("threads must be", n_threads)
     return n_threads
 
 

@@ -20,7 +20,10 @@ import pytest
 # one process, `-n 0`, leaves both to the engine's own thread governor).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
-    os.environ.setdefault("EDGEINFER_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    from edgeinfer.cpu import usable_cores
+    from edgeinfer.llama_backend import THREADS_ENV
+
+    os.environ.setdefault(THREADS_ENV, str(max(1, usable_cores() // _WORKERS)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The first load of a never-seen GGUF runs in a child process (edgeinfer.validate, 1-4 s a file):
 # off for the suite's known-good files; the tests of that gate (tests/hostile) turn it on.

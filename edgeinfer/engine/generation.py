@@ -294,8 +294,9 @@ def _loop(req: _Request, rt: LlamaRuntime, sampler: Sampler, drafter: Drafter | 
         # Reuse the cached prefix of the previous request (multi-turn chat re-sends the history).
         n_keep = _common_prefix(rt.cached, prompt)
         whole_prompt_cached = n_keep == len(prompt)
-        saved = rt.prompt_logits if whole_prompt_cached else None
-        saved = saved if saved is not None and saved[0] == len(prompt) else None
+        saved = rt.prompt_logits
+        if not whole_prompt_cached or saved is None or saved[0] != len(prompt):
+            saved = None  # nothing remembered for this prompt
         # The same prompt again (a regenerate, a seed sweep): its last logits row was remembered, so
         # nothing is decoded; the row goes where the sampler reads, the last decode's output row.
         restored = saved is not None and _restore_logits(rt, saved[1])

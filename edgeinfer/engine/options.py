@@ -15,7 +15,7 @@ from typing import Literal
 
 from ..errors import InvalidOptionError
 from ..cpu import usable_cores
-from ..llama_backend import THREADS_PER_CORE, env_threads, max_threads
+from ..llama_backend import env_threads, max_threads, threads_out_of_range
 from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
 
 __all__ = [
@@ -81,8 +81,7 @@ class LoadOptions:
         if self.n_threads is not None:
             _int("", "threads", self.n_threads, -_INT32_MAX)
             if not 1 <= self.n_threads <= max_threads():
-                raise InvalidOptionError(f"threads must be in [1, {max_threads()}] ({THREADS_PER_CORE} per CPU core), "
-                                         f"got {self.n_threads}")
+                raise threads_out_of_range("threads must be", self.n_threads)
         env_threads()  # a bad EDGEINFER_THREADS fails here, before anything loads
         _int("", "batch size", self.n_batch, 1)
         _instance("", "kv_type", self.kv_type, str, "a string")
