@@ -19,6 +19,8 @@ __all__ = ["ModelDrafter", "check_draft_compatible", "relative_draft_cost"]
 # llama.cpp's own compatibility rule for a draft vocabulary (common/speculative.cpp).
 _VOCAB_MAX_SIZE_DIFFERENCE = 128
 _VOCAB_CHECK_START_TOKEN_ID = 5
+# Tokens the draft model may be behind that enter with its first draft decode, in one batch.
+_CATCH_UP_ROWS = 4
 
 
 def check_draft_compatible(target: LlamaRuntime, draft: LlamaRuntime, draft_name: str) -> None:
@@ -120,17 +122,21 @@ class ModelDrafter:
                          "even at 90 % acceptance")
         return not self.enabled
 
-    def _sync(self, history: Sequence[int]) -> None:
-        """Make the draft's cache hold history[:-1] (its last token is decoded when drafting)."""
+    def _sync(self, history: Sequence[int], tail: int = 1) -> list[int]:
+        """Make the draft's cache hold history but for its last `tail` tokens at most (always at
+        least the last one), and return those for the caller's next decode: drafting decodes them
+        with the token it drafts from in one batch, not one decode per token it fell behind."""
         rt = self.rt
         keep = 0
         limit = min(len(rt.cached), len(history) - 1)
         while keep < limit and rt.cached[keep] == history[keep]:
             keep += 1
         rt.truncate(keep)
-        missing = list(history[keep:-1])
+        split = max(keep, len(history) - tail)
+        missing = list(history[keep:split])
         for s in range(0, len(missing), rt.n_batch):
             rt.decode(missing[s : s + rt.n_batch])
+        return list(history[split:])
 
     def draft_cost(self, target_step_s: float) -> float:
         return self.step_s / target_step_s if target_step_s > 0 and self.step_s > 0 else 0.3
@@ -146,16 +152,18 @@ class ModelDrafter:
         if k <= 0:
             return []
         rt = self.rt
-        self._sync(history)
+        # After a step that accepted the whole draft the draft model is behind by its last drafted
+        # token and the target's bonus token: both enter with the first decode below (a longer
+        # catch-up, after plain steps, is decoded first and not counted as drafting time).
+        pending = self._sync(history, tail=min(_CATCH_UP_ROWS, rt.n_batch))
+        t0 = time.perf_counter()
         out: list[int] = []
         self.distributions = []
         sampler = self.sampler
-        last = history[-1]
-        t0 = time.perf_counter()
         for _ in range(k):
-            if len(rt.cached) + 1 >= rt.n_ctx:
+            if len(rt.cached) + len(pending) >= rt.n_ctx:
                 break
-            rt.decode([last])
+            rt.decode(pending)
             row = rt.logits_row(-1)
             if sampler is not None:
                 # Stopping depends only on q, before its token is drawn: the rule stays exact.
@@ -172,7 +180,7 @@ class ModelDrafter:
                     if p_top < self.p_min and out:
                         break
             out.append(tok)
-            last = tok
+            pending = [tok]
         if out:
             per = (time.perf_counter() - t0) / len(out)
             # The first real draft replaces the estimate (taken after a short prefix, it can be far
