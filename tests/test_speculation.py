@@ -43,14 +43,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def f16_path(tmp_path_factory, default_model_path) -> Path:
+def f16_path(default_model_copy) -> Path:
     """The default model requantized to F16 by llama.cpp: its batched and one-token paths round
     alike, so greedy outputs can be compared token for token (Q4_1's cannot: its batched path rounds differently)."""
-    from edgeinfer.quantize import quantize_model
-
-    store = Store(tmp_path_factory.mktemp("spec-store"))
-    result = quantize_model(default_model_path, "F16", store=store, allow_requantize=True)
-    return result.path
+    return default_model_copy("F16")
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +88,12 @@ def plain_greedy(f16_engine):
     return get
 
 
+# The code edit last: the test after these starts from its cache (its 736-token prompt is 3 s).
 CASES = [
-    ("code-edit", 0, SpeculationOptions(method="lookup")),
-    ("code-edit", 0, SpeculationOptions(method="auto")),
     ("rag-quote", 1, SpeculationOptions(method="lookup", adaptive=False, draft_max=8)),
     ("free-chat", 2, SpeculationOptions(method="auto")),
+    ("code-edit", 0, SpeculationOptions(method="lookup")),
+    ("code-edit", 0, SpeculationOptions(method="auto")),
 ]
 
 
@@ -137,6 +134,34 @@ def test_draft_model_greedy_identical(f16_engine, plain_greedy, default_model_pa
         fast = run(f16_engine, PROMPTS[prompt_index], greedy(N_GREEDY, spec))
         assert fast.tokens == plain_greedy(prompt_index).tokens
         assert fast.stats.speculation.drafted > 0 and fast.stats.speculation.method == "draft"
+
+
+def test_a_draft_model_catches_up_within_its_first_draft_decode(f16_engine, plain_greedy, default_model_path,
+                                                                 monkeypatch):
+    """After a step that accepted its whole draft, the draft model is behind by its last drafted
+    token and the target's bonus token: both enter with its next draft decode, so each drafted
+    token costs one draft decode (none is spent only on catching up), and output stays plain's."""
+    from edgeinfer.engine.llama import LlamaRuntime
+
+    spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=4,
+                              p_min=0.0)
+    plain = plain_greedy(2)
+    run(f16_engine, PROMPTS[2], greedy(4, spec))  # loads the draft model and measures its step cost
+    target = f16_engine._runtime  # white-box: tell the draft model's decodes from the target's
+    rows: list[int] = []
+    real_decode = LlamaRuntime.decode
+
+    def recording(self, tokens, logits_from=None):
+        if self is not target and len(tokens) <= 4:  # (the prompt's prefill is one long decode)
+            rows.append(len(tokens))
+        return real_decode(self, tokens, logits_from)
+
+    monkeypatch.setattr(LlamaRuntime, "decode", recording)
+    done = run(f16_engine, PROMPTS[2], greedy(N_GREEDY, spec))
+    assert done.tokens == plain.tokens
+    sp = done.stats.speculation
+    assert sp.accepted > 0 and len(rows) == sp.drafted, (rows, sp)
+    assert 2 in rows  # it did fall behind by two, and caught up in the same decode
 
 
 def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
