@@ -252,6 +252,29 @@ def test_unknown_pre_tokenizer_is_an_error(model):
         convert_model(model)
 
 
+@pytest.mark.parametrize("form", ["pairs", "strings"])
+def test_merges_are_what_gguf_py_reads(model, form):
+    """Both tokenizer.json forms of the merges (pairs, which may hold spaces; "a b" strings) give
+    the merges gguf-py's own SpecialVocab reads, and a merge of another shape is a clear error."""
+    import gguf
+
+    from edgeinfer.convert.tokenizer import load_vocab
+
+    tok = json.loads((model / "tokenizer.json").read_text())
+    pairs = tok["model"]["merges"]
+    assert isinstance(pairs[0], list)
+    pairs[:2] = [["a b", "c"], [" x", "y  "]]  # spaces inside parts: stored as U+0120
+    tok["model"]["merges"] = pairs if form == "pairs" else [" ".join(p) for p in pairs[2:]]
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    reference = gguf.SpecialVocab(model, load_merges=True).merges
+    assert reference and load_vocab(model, None).special.merges == reference
+
+    tok["model"]["merges"] = pairs[2:] + [["a", "b", "c"]]
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConversionError, match=rf"merge {len(pairs) - 2} is \['a', 'b', 'c'\], not a string or a pair"):
+        load_vocab(model, None)
+
+
 def test_nan_and_inf_weights_warn_naming_the_tensor(model):
     f = SafetensorsFile(model / "model.safetensors")
     tensors = {n: f.array(n).astype(np.float32) for n in f.tensors}
