@@ -59,6 +59,11 @@ atexit.register(shutil.rmtree, _SANDBOX, ignore_errors=True)
 os.environ["XDG_DATA_HOME"] = str(_SANDBOX / "xdg-data")
 os.environ["HF_HOME"] = str(_SANDBOX / "hf-home")
 os.environ["EDGEINFER_HOME"] = str(_SANDBOX / "edgeinfer-home")  # fixtures override per test
+# Images that set PYTHONDONTWRITEBYTECODE make every Python child a test starts (the CLI, the
+# server, the TUI in tmux) compile the package and its dependencies again, 0.2 s of CPU each:
+# the children of this session share one bytecode cache in the sandbox instead.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ["PYTHONPYCACHEPREFIX"] = str(_SANDBOX / "pycache")
 
 
 @pytest.fixture(autouse=True)
@@ -119,21 +124,29 @@ def qwen_pair() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def default_model_copy(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path):
     """`default_model_copy("F16")`: the default model requantized by llama.cpp into that type, made
-    once per test session (per xdist worker) in a store of its own, outside the per-test stores."""
+    once per test run in a store of its own, outside the per-test stores: by the first
+    pytest-xdist worker that asks (their basetemps share a parent), while the others wait on a lock."""
     import warnings
+
+    from filelock import FileLock
 
     from edgeinfer import Store
     from edgeinfer.quantize import quantize_model
 
-    store = Store(tmp_path_factory.mktemp("default-model-copies"))
-    made: dict[str, Path] = {}
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
 
     def make(qtype: str) -> Path:
         qtype = qtype.upper()
-        if qtype not in made:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # requantizing Q4_1 warns, by design
-                made[qtype] = quantize_model(default_model_path, qtype, store=store, allow_requantize=True).path
-        return made[qtype]
+        made = root / f"default-model-{qtype}.path"  # written once the copy is complete
+        with FileLock(str(root / f".default-model-{qtype}.lock")):
+            if not made.exists():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # requantizing Q4_1 warns, by design
+                    store = Store(root / "default-model-copies")
+                    path = quantize_model(default_model_path, qtype, store=store, allow_requantize=True).path
+                made.write_text(str(path))
+        return Path(made.read_text())
 
     return make

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import gc
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions, Store
+from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
 from edgeinfer.engine.batch import plan_drafts
 from edgeinfer.engine.speculation.policy import CostModel
 from greedy_compare import assert_same_or_near_tie
@@ -54,15 +53,9 @@ def greedy(n: int, spec: str = "off") -> GenerateOptions:
 
 
 @pytest.fixture(scope="session")
-def f16_path(tmp_path_factory, default_model_path) -> Path:
-    """The default model requantized to F16 by llama.cpp (made once per session)."""
-    from edgeinfer.quantize import quantize_model
-
-    store = Store(tmp_path_factory.mktemp("batch-f16-store"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # requantizing a quantized model may warn about quality
-        result = quantize_model(default_model_path, "F16", store=store, allow_requantize=True)
-    return result.path
+def f16_path(default_model_copy) -> Path:
+    """The default model requantized to F16 by llama.cpp (made once per test run)."""
+    return default_model_copy("F16")
 
 
 @pytest.fixture(scope="module")
