@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,17 +130,32 @@ def default_gguf_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _default_reader() -> Any:
+def _default_metadata() -> dict[str, Any]:
+    from edgeinfer.gguf_file import read_gguf
+
+    return read_gguf(default_gguf_path(), keep_arrays=True).metadata  # 50x faster than gguf's GGUFReader
+
+
+def _default_tensors() -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array in HF dimension order) of every tensor of the default model,
+    dequantized by gguf-py (bit-identical to llama.cpp's own F32 requantization)."""
     import gguf
 
-    return gguf.GGUFReader(default_gguf_path())  # ~6 s for the 49k-token vocabulary: read once
+    from edgeinfer.gguf_file import read_gguf
+
+    path = default_gguf_path()
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in read_gguf(path).tensors:
+        qtype = gguf.GGMLQuantizationType(t.type_id)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = raw[t.offset : t.offset + t.n_bytes].reshape(-1, t.shape[0] // block * size)
+        data = gguf.quants.dequantize(rows, qtype).astype(np.float32)
+        yield t.name, data.reshape(list(reversed(t.shape)))
 
 
 @functools.lru_cache(maxsize=1)
 def _default_vocab() -> dict[str, Any]:
-    from edgeinfer.gguf_file import read_gguf
-
-    meta = read_gguf(default_gguf_path(), keep_arrays=True).metadata  # 4x faster than GGUFReader
+    meta = _default_metadata()
 
     def val(key: str, default: Any = None) -> Any:
         return meta.get(key, default)
@@ -342,28 +358,24 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def export_default_model_to_hf(folder: Path, dtype: str = "bfloat16", shards: int = 1) -> Path:
     """Dequantize the default GGUF into an HF LlamaForCausalLM folder; returns `folder`."""
-    import gguf
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    r = _default_reader()
+    meta = _default_metadata()
 
     def val(key: str) -> Any:
-        return r.fields[key].contents()
+        return meta[key]
 
     heads, kv_heads = int(val("llama.attention.head_count")), int(val("llama.attention.head_count_kv"))
     tensors: dict[str, np.ndarray] = {}
-    for t in r.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        data = data.reshape([int(d) for d in reversed(t.shape)])
-        if t.name == "token_embd.weight":
+    for name, data in _default_tensors():
+        if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
+        elif name == "output_norm.weight":
             hf = "model.norm.weight"
-        elif t.name == "output.weight":
+        elif name == "output.weight":
             hf = "lm_head.weight"
         else:
-            _, layer, kind, suffix = t.name.split(".")
+            _, layer, kind, suffix = name.split(".")
             hf = f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.{suffix}"
             if kind == "attn_q":
                 data = _unpermute(data, heads)
@@ -395,32 +407,6 @@ def export_default_model_to_hf(folder: Path, dtype: str = "bfloat16", shards: in
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "README.md").write_text("---\nlicense: apache-2.0\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n---\n")
     return folder
-
-
-def write_dequantized_default_gguf(path: Path) -> Path:
-    """The default GGUF with every tensor dequantized to F32 and the metadata copied: the exact
-    weights of the original, without its Q4_1 compute path (llama.cpp multiplies Q4_1 weights by
-    Q8_1-quantized activations, which alone moves the logits by a mean KL of ~3e-3)."""
-    import gguf
-
-    r = _default_reader()
-    w = gguf.GGUFWriter(path, "llama")
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type", "general.quantization_version"):
-            continue
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
-        else:
-            w.add_key_value(name, f.contents(), f.types[0])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for t in r.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(path)
 
 
 def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Path:
