@@ -88,7 +88,7 @@ def test_rejection_sampling_keeps_the_targets_distribution(qwen_engine, qwen_pai
 
 CODE_PROMPT = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number "
                 "iteratively, with a docstring."}]
-GREEDY = GenerateOptions(max_tokens=32, sampling=SamplingOptions(temperature=0.0))
+GREEDY = GenerateOptions(max_tokens=20, sampling=SamplingOptions(temperature=0.0))
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def run(engine, messages, opts):
     return engine.chat(messages, opts).result()
 
 
-N_GREEDY = 80  # tokens each lossless greedy comparison generates
+N_GREEDY = 64  # tokens each lossless greedy comparison generates
 
 
 @pytest.fixture(scope="module")
