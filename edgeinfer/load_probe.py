@@ -5,8 +5,9 @@ the logits and detokenizes: the calls where llama.cpp asserts on a bad file. Exi
 it all worked; a failure prints one "edgeinfer-probe: ..." line on stderr and exits 3; an abort
 kills this process, not the caller. llama.cpp's log goes to stderr so the parent can quote it.
 
-It imports nothing but the standard library and llama_cpp (not the edgeinfer package), so the
-verdict on a file depends on llama.cpp alone, and `-I` keeps the script's folder off sys.path.
+It imports nothing but the standard library and llama.cpp's bindings (child_llama.py; not the
+edgeinfer package), so the verdict on a file depends on llama.cpp alone, and it starts fast; `-I`
+keeps the script's folder off sys.path.
 """
 
 from __future__ import annotations
@@ -21,9 +22,17 @@ _TEXT = "Hello, world!\nÜber 東京 ✓ 123"
 _MAX_TOKENS = 16
 
 
-def probe(path: str) -> None:
-    import llama_cpp as ll
+def _llama():
+    """llama.cpp's ctypes bindings without the rest of the llama_cpp package (child_llama.py, run
+    by its path: -I keeps this folder off sys.path)."""
+    import runpy
+    from pathlib import Path
 
+    return runpy.run_path(str(Path(__file__).with_name("child_llama.py")))["bindings"]()
+
+
+def probe(path: str) -> None:
+    ll = _llama()
     ll.llama_backend_init()
 
     @ll.llama_log_callback

@@ -8,8 +8,9 @@ The request (JSON on stdin) names the source and the output file and holds the q
 parameters as llama.cpp's numbers; llama.cpp's log (one line per tensor) goes to stdout, from which
 the parent reads progress. Exit status: llama_model_quantize's return code (0: done).
 
-It imports only the standard library, numpy and llama_cpp (not the edgeinfer package), like
-`load_probe.py`, so it starts fast and `-I` keeps the script's folder off sys.path.
+It imports only the standard library, llama.cpp's bindings (child_llama.py) and, for an importance
+matrix, numpy (not the edgeinfer package), like `load_probe.py`, so it starts fast; `-I` keeps
+the script's folder off sys.path.
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ _FIELDS = ("nthread", "ftype", "allow_requantize", "quantize_output_tensor", "pu
            "output_tensor_type", "token_embedding_type", "tt_overrides", "imatrix")
 
 
-def quantize(request: dict[str, Any]) -> int:
-    import llama_cpp as ll
-    import numpy as np
+def _llama():
+    """llama.cpp's ctypes bindings without the rest of the llama_cpp package (child_llama.py, run
+    by its path: -I keeps this folder off sys.path)."""
+    import runpy
+    from pathlib import Path
 
+    return runpy.run_path(str(Path(__file__).with_name("child_llama.py")))["bindings"]()
+
+
+def quantize(request: dict[str, Any]) -> int:
+    ll = _llama()
     ll.llama_backend_init()
 
     @ll.llama_log_callback
@@ -71,6 +79,8 @@ def quantize(request: dict[str, Any]) -> int:
         keepalive.append(arr)
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(ll.llama_model_tensor_override))
     if request.get("imatrix"):
+        import numpy as np  # only here: numpy is a sixth of a child's start-up
+
         with np.load(request["imatrix"]) as entries:
             names = list(entries.files)
             arr = (ll.llama_model_imatrix_data * (len(names) + 1))()

@@ -103,6 +103,24 @@ def test_params_struct_matches_pinned_binding():
     assert ctypes.sizeof(llama_cpp.llama_model_tensor_override) == 16
 
 
+def test_the_child_processes_start_with_llama_cpp_s_bindings_only():
+    """What the quantizer child and the load probe import to reach llama.cpp: the ctypes bindings,
+    in an isolated interpreter, without the llama_cpp package's high-level half (its Llama class
+    with numpy and jinja2, three quarters of a child's start-up)."""
+    import subprocess
+    import sys
+
+    import edgeinfer
+
+    helper = Path(edgeinfer.__file__).with_name("child_llama.py")
+    code = ("import runpy, sys; ll = runpy.run_path(sys.argv[1])['bindings'](); ll.llama_backend_init(); "
+            "print(ll.llama_model_quantize_default_params().nthread, "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'jinja2') or m == 'llama_cpp.llama'))")
+    r = subprocess.run([sys.executable, "-I", "-c", code, str(helper)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split(maxsplit=1)[1].strip() == "[]", r.stdout
+
+
 # Types whose blk.* weight matrices must all come out in exactly the requested ggml type.
 PURE = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "F16": "F16", "BF16": "BF16", "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL"}
 # k-quant mixes: the base type, plus the larger k-types the recipe gives some tensors.
