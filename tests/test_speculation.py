@@ -248,16 +248,16 @@ def test_incompatible_draft_is_refused(f16_engine, tmp_path):
     assert f16_engine.chat(PROMPTS[1], greedy(4)).result().tokens
 
 
-def test_self_draft_is_made_by_the_quantizer_and_lossless(f16_path, tmp_path):
+def test_self_draft_is_made_by_the_quantizer_and_lossless(f16_path, plain_greedy):
     """Not prepared beforehand, the first speculative request makes its self-draft itself and says
-    so: SpeculationProgress events (one per tensor quantized) come before its first token."""
+    so: SpeculationProgress events (one per tensor quantized) come before its first token. (Its
+    engine loads the module's F16 file as the module's does: plain greedy output is the module's.)"""
     store = Store()
     f16 = store.register(f16_path, "spec-target", "f16", owned=False)
+    plain = plain_greedy(1)
     with edgeinfer.load(f16.ref, n_ctx=4096, flash_attn=False) as engine:
         spec = SpeculationOptions(method="self", self_quant="Q8_0", adaptive=False, draft_max=4)
-        plain = run(engine, PROMPTS[1], greedy(48))
-        engine.reset()
-        events = list(engine.chat(PROMPTS[1], greedy(48, spec)))
+        events = list(engine.chat(PROMPTS[1], greedy(N_GREEDY, spec)))
         progress = [e for e in events if isinstance(e, SpeculationProgress)]
         assert progress and events[: len(progress)] == progress  # all of them before any token
         quantized = [e for e in progress if e.stage == "quantize"]
