@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -59,11 +60,12 @@ atexit.register(shutil.rmtree, _SANDBOX, ignore_errors=True)
 os.environ["XDG_DATA_HOME"] = str(_SANDBOX / "xdg-data")
 os.environ["HF_HOME"] = str(_SANDBOX / "hf-home")
 os.environ["EDGEINFER_HOME"] = str(_SANDBOX / "edgeinfer-home")  # fixtures override per test
-# Images that set PYTHONDONTWRITEBYTECODE make every Python child a test starts (the CLI, the
-# server, the TUI in tmux) compile the package and its dependencies again, 0.2 s of CPU each:
-# the children of this session share one bytecode cache in the sandbox instead.
+# Images that set PYTHONDONTWRITEBYTECODE make every Python process of the run (each xdist worker,
+# each CLI, server or TUI child a test starts) compile the package and the test modules again,
+# 0.2 s of CPU each: they keep Python's usual __pycache__ (git ignores it). (A PYTHONPYCACHEPREFIX
+# in the sandbox would also hide the bytecode pip wrote for site-packages: 10 CPU-s more per run.)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-os.environ["PYTHONPYCACHEPREFIX"] = str(_SANDBOX / "pycache")
+sys.dont_write_bytecode = False  # this process too (its test modules' assertion-rewritten bytecode)
 
 
 @pytest.fixture(autouse=True)
