@@ -222,13 +222,13 @@ def test_same_seed_gives_same_sample_with_speculation(f16_engine, default_model_
     same = 0
     for seed in range(4):
         opts = GenerateOptions(max_tokens=16, sampling=SamplingOptions(temperature=0.8, seed=seed))
-        runs = []
-        for spec in (None, lookup, draft, draft):
-            o = opts if spec is None else GenerateOptions(max_tokens=16, sampling=opts.sampling, speculation=spec)
-            runs.append(run(f16_engine, PROMPTS[2], o))
+        specs = (None, lookup, draft, draft) if seed < 2 else (None, lookup)  # the draft model's pair: two seeds
+        runs = [run(f16_engine, PROMPTS[2], GenerateOptions(max_tokens=16, sampling=opts.sampling, speculation=spec)
+                    if spec else opts) for spec in specs]
         same += runs[0].tokens == runs[1].tokens
-        assert runs[2].tokens == runs[3].tokens
-        assert runs[2].stats.speculation.drafted > 0
+        if len(runs) == 4:
+            assert runs[2].tokens == runs[3].tokens
+            assert runs[2].stats.speculation.drafted > 0
     assert same >= 3
 
 
