@@ -41,6 +41,7 @@ from .fsutil import atomic_path, ensure_free_space, no_space_error
 from .gguf_file import GGUFInfo, read_gguf
 from .llama_backend import LOGGER_NAME, backend, env_threads, max_threads, threads_out_of_range
 from .quant_types import QUANT_TYPES, TENSOR_TYPES
+from .validate import validate_file
 
 if TYPE_CHECKING:
     from .profiles import QuantProfile
@@ -389,7 +390,7 @@ def quantize_model(
         raise QuantizationError(f"the installed llama.cpp cannot quantize to {qtype}")
 
     src_path, src_manifest = store.resolve(source)
-    src_info = read_gguf(src_path)
+    src_info = validate_file(src_path, store)  # a source read before is not walked again (the store remembers)
     src_ref = src_manifest.ref if src_manifest else str(Path(src_path).resolve())
     quantized_src = sorted({t.type_name for t in src_info.tensors
                             if len(t.shape) >= 2 and t.type_name not in ("F32", "F16", "BF16")})
@@ -459,9 +460,9 @@ def quantize_model(
                 if _disk_full(tmp):  # llama.cpp says only "basic_ios::clear: iostream error"
                     raise no_space_error(target)
                 raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
-            read_gguf(tmp)  # validate before the file takes its final name
+            checked = read_gguf(tmp)  # validate before the file takes its final name
             seconds = time.monotonic() - started
-        info = read_gguf(target)
+        info = read_gguf(target, known_spans=checked.string_spans)  # the same file, renamed: its vocabulary walked
         try:
             manifest = store.register(
                 target, out_name, out_tag,

@@ -37,8 +37,8 @@ from filelock import FileLock
 from . import paths
 from .errors import InvalidModelError, InvalidOptionError, ModelNotFoundError, StoreError
 from .fsutil import PARTIAL_SUFFIX, atomic_write_text, being_written, is_inside, sha256_file
-from .gguf_file import GGUFInfo, read_gguf
-from .validate import LoadChecks, check_semantics
+from .gguf_file import GGUFInfo
+from .validate import LoadChecks, check_semantics, validate_file
 
 __all__ = [
     "ModelManifest",
@@ -502,8 +502,10 @@ class Store:
         if owned and not is_inside(file, self.models_dir):
             raise StoreError(f"{file} is outside the store's models folder; register it with owned=False")
         with self.writing(name, tag, timeout=10):
-            info = info or read_gguf(file)
-            check_semantics(info)
+            if info is None:
+                info = validate_file(file, self)  # (the default model in every new store: walked once a process)
+            else:
+                check_semantics(info)
             sha256 = LoadChecks(self).ensure_loads(file, sha256 or _sha256_cached(file))  # llama.cpp loads it, once
             manifest = ModelManifest(
                 name=name,

@@ -143,27 +143,41 @@ def check_semantics(info: GGUFInfo) -> None:
 def validate_file(path: str | Path, cache: _Cache | None = None) -> GGUFInfo:
     """Structural (gguf_file) and semantic validation: what must hold before llama.cpp sees a file.
 
-    With the store's `cache`, a file validated before and unchanged since (same path, size, mtime,
-    ctime, inode) is read without walking its vocabulary again (read_gguf's known_spans): the
-    walk is ~95 % of the time, and a second load should not pay it.
+    A file validated before and unchanged since (same path, size, mtime, ctime, inode) is read
+    without walking its vocabulary again (read_gguf's known_spans): the walk is ~95 % of the time,
+    and a second load should not pay it. Such files are remembered by this process, and with the
+    store's `cache` across processes.
     """
     path = Path(path)
-    identity = _identity(path) if cache is not None else None
-    known = None
-    if cache is not None:
-        entry = cache.read_cache(_SPANS, str(path.resolve()))
+    key = str(path.resolve())
+    try:
+        identity = _identity(path)
+    except OSError:
+        identity = None  # read_gguf says what is wrong with the path
+    known, from_store = None, False
+    if identity is not None and _validated.get(key, (None,))[0] == identity:
+        known = _validated[key][1]
+    elif identity is not None and cache is not None:
+        entry = cache.read_cache(_SPANS, key)
         if isinstance(entry, dict) and entry.get("stat") == identity and isinstance(entry.get("spans"), dict):
-            known = {k: tuple(v) for k, v in entry["spans"].items() if _is_span(v)}
+            known, from_store = {k: tuple(v) for k, v in entry["spans"].items() if _is_span(v)}, True
     info = read_gguf(path, known_spans=known)
     check_semantics(info)
-    if cache is not None and known is None and info.string_spans:
-        try:
-            cache.write_cache(_SPANS, str(path.resolve()), {"stat": identity, "spans": info.string_spans})
-        except OSError as e:  # a read-only store only costs the walk next time
-            log.debug("could not remember the layout of %s: %s", path.name, e)
+    if identity is not None and (known is None or from_store) and info.string_spans:
+        if len(_validated) >= _VALIDATED_MAX:
+            _validated.clear()
+        _validated[key] = (identity, dict(known or info.string_spans))
+        if cache is not None and known is None:
+            try:
+                cache.write_cache(_SPANS, key, {"stat": identity, "spans": info.string_spans})
+            except OSError as e:  # a read-only store only costs the walk next time
+                log.debug("could not remember the layout of %s: %s", path.name, e)
     return info
 
 
+# Files this process validated, for validate_file: resolved path -> (identity, string spans).
+_validated: dict[str, tuple[list[int], dict[str, tuple[int, int]]]] = {}
+_VALIDATED_MAX = 256
 _SPANS = "gguf-spans"
 
 

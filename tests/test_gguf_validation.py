@@ -187,3 +187,37 @@ def test_long_tensor_name_is_refused(tmp_path):
     w.close()
     with pytest.raises(InvalidModelError, match="tensor name claims 64 bytes"):
         read_gguf(tmp_path / "long.gguf")
+
+
+def test_validation_walks_an_unchanged_file_once_and_a_rewritten_one_again(tmp_path, default_model_path, monkeypatch):
+    """validate_file walks a file's vocabulary once per process while the file stays the same
+    (size, mtime, ctime, inode); rewritten in place so that two tokens are equal, it is walked
+    again and refused, both times it is asked."""
+    import shutil
+
+    from edgeinfer import gguf_file
+    from edgeinfer.validate import validate_file
+
+    walked: list[str] = []
+    real = gguf_file._Cursor.walk_strings  # white-box: the walk itself
+
+    def counting(self, key, *args, **kwargs):
+        walked.append(key)
+        return real(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_file._Cursor, "walk_strings", counting)
+    path = Path(shutil.copyfile(default_model_path, tmp_path / "model.gguf"))
+    first = validate_file(path)
+    assert walked.count("tokenizer.ggml.tokens") == 1
+    assert validate_file(path) == first and walked.count("tokenizer.ggml.tokens") == 1
+
+    start, end = first.string_spans["tokenizer.ggml.tokens"]
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack("<Q", 1) + b"b", start, end)  # the one-letter token "b" becomes "a"
+    data[at + 8] = ord("a")
+    with open(path, "r+b") as f:  # in place: the same inode and size
+        f.write(data)
+    for attempt in (1, 2):
+        with pytest.raises(InvalidModelError, match="tokenizer.ggml.tokens"):
+            validate_file(path)
+        assert walked.count("tokenizer.ggml.tokens") == 1 + attempt
