@@ -157,23 +157,22 @@ def test_readme_python_example_prints_the_stats_on_their_own_line(tmp_path):
 @pytest.mark.slow
 def test_readme_quantize_example_works_as_written():
     """The README's quantize commands on the default model, exactly as written (the ladder is cut
-    to its first two types to keep the test short)."""
+    to its first type: each k-quant of the 135M is 3 s; test_quantize.py runs whole ladders)."""
     lines = [ln for ln in _readme_block("bash", "--type F16").splitlines() if ln.startswith("edgeinfer quantize")]
     assert len(lines) == 2
     for line in lines:
         argv = line.split()[1:]
         if "--types" in argv:
             i = argv.index("--types") + 1
-            argv[i] = ",".join(argv[i].split(",")[:2])
+            argv[i] = argv[i].split(",")[0]
         r = cli(*argv)
         assert r.returncode == 0, (line, r.stderr)
     from edgeinfer import Store
 
     store = Store()
     assert store.get("smollm2-135m-instruct:f16").quant in ("F16", "MOSTLY_F16")
-    for tag in ("q3_k_m", "q4_k_m"):
-        m = store.get(f"smollm2-135m-instruct:{tag}")
-        assert m.derived_from == "smollm2-135m-instruct:f16"
+    m = store.get("smollm2-135m-instruct:q3_k_m")
+    assert m.derived_from == "smollm2-135m-instruct:f16"
 
 
 def test_requantize_error_says_the_next_step(capsys):

@@ -74,17 +74,31 @@ def run(engine, messages, opts):
 N_GREEDY = 64  # tokens each lossless greedy comparison generates
 
 
+def next_token_logits(engine) -> tuple[list[int], np.ndarray]:
+    """White-box: what the engine's cache holds, and the logits its last cell gives (that token
+    decoded again in place)."""
+    with engine._slot.hold() as rt:
+        cached = list(rt.cached)
+        rt.truncate(len(cached) - 1)
+        rt.decode([cached[-1]])
+        return cached, rt.logits_row(-1).copy()
+
+
 @pytest.fixture(scope="module")
 def plain_greedy(f16_engine):
     """`plain_greedy(i)`: plain greedy decoding of PROMPTS[i], run once for the module (each
-    comparison below runs only its speculative side; the prompt of the code edit alone is 3 s)."""
+    comparison below runs only its speculative side; the prompt of the code edit alone is 3 s).
+    `plain_greedy.cache[i]`: the tokens plain decoding left in the cache, one at a time, and the
+    logits they give for the next token (next_token_logits)."""
     done: dict[int, edgeinfer.DoneEvent] = {}
 
     def get(prompt_index: int) -> edgeinfer.DoneEvent:
         if prompt_index not in done:
             done[prompt_index] = run(f16_engine, PROMPTS[prompt_index], greedy(N_GREEDY))
+            get.cache[prompt_index] = next_token_logits(f16_engine)
         return done[prompt_index]
 
+    get.cache = {}
     return get
 
 
@@ -110,7 +124,7 @@ def test_greedy_output_is_token_identical(f16_engine, plain_greedy, case):
 def test_fixed_k_lookup_drafts_rejects_and_leaves_a_consistent_cache(f16_engine, plain_greedy):
     """Fixed 8-token lookup drafts on the code edit whenever it finds a match: the output is plain
     greedy's, it really drafted and accepted, and after its many accept/reject cycles the KV cache
-    gives the logits a fresh cache gives for the same tokens."""
+    gives the logits that plain decoding's cache (filled one token at a time) gives for the same tokens."""
     done = run(f16_engine, PROMPTS[0], greedy(N_GREEDY, SpeculationOptions(method="lookup", adaptive=False, draft_max=8)))
     assert done.tokens == plain_greedy(0).tokens
     sp = done.stats.speculation
@@ -118,14 +132,11 @@ def test_fixed_k_lookup_drafts_rejects_and_leaves_a_consistent_cache(f16_engine,
     assert 0 < sp.acceptance_rate <= 1 and sp.mean_accepted_len > 0
     assert len(sp.per_position_acceptance) == 8
     assert sp.accepted < sp.drafted  # there were rejections to clean up
-    cached = list(f16_engine._runtime.cached)
-    with f16_engine._slot.hold() as rt:  # white-box: the next-token logits of the speculated cache
-        rt.truncate(len(cached) - 1)
-        rt.decode([cached[-1]])
-        ours = rt.logits_row(-1).copy()
-    fresh = f16_engine.logits(cached, start=len(cached) - 1)[-1]
-    np.testing.assert_allclose(ours, fresh, atol=2e-2 * np.abs(fresh).max())
-    assert int(np.argmax(ours)) == int(np.argmax(fresh))
+    cached, ours = next_token_logits(f16_engine)
+    plain_cached, plain = plain_greedy.cache[0]
+    assert cached == plain_cached
+    np.testing.assert_allclose(ours, plain, atol=2e-2 * np.abs(plain).max())
+    assert int(np.argmax(ours)) == int(np.argmax(plain))
 
 
 def test_draft_model_greedy_identical(f16_engine, plain_greedy, default_model_path):

@@ -452,6 +452,17 @@ def _wait_for(predicate, timeout: float = 120.0, proc: subprocess.Popen | None =
         time.sleep(0.01)  # polling a predicate (the child's file), not waiting for time to pass
 
 
+def _open_by_a_process(path: Path) -> bool:
+    """Whether any process has `path` open (Linux's /proc/PID/fd)."""
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == str(path) for fd in fds.iterdir()):
+                return True
+        except OSError:  # a process that ended, or one of another user
+            continue
+    return False
+
+
 @pytest.mark.slow
 def test_kill_during_quantize_leaves_a_partial_that_du_shows_and_gc_removes(edgeinfer_home, big_f16):
     proc = _start_quantize(big_f16)
@@ -464,8 +475,10 @@ def test_kill_during_quantize_leaves_a_partial_that_du_shows_and_gc_removes(edge
     # lock goes, the partial is a live writer's, which du rightly does not call unused.
     _wait_for(lambda: not being_written(partials[0]), timeout=30)
     # du counts only files older than itself, and a write of the dying child can land after the
-    # lock has gone (once under load): wait until nothing has written the partial for 2 s.
-    _wait_for(lambda: time.time() - partials[0].stat().st_mtime > 2.0, timeout=30)
+    # lock has gone (once under load): wait until no process has the partial open, and its last
+    # write is more than a clock tick (du's start time is in ticks) older than du will be.
+    _wait_for(lambda: not _open_by_a_process(partials[0]), timeout=30)
+    _wait_for(lambda: time.time() - partials[0].stat().st_mtime > 0.1, timeout=30)
     du = subprocess.run([sys.executable, "-m", "edgeinfer", "du"], capture_output=True, text=True, timeout=120)
     assert du.returncode == 0 and str(partials[0]) in du.stdout and "unused:" in du.stdout, du.stdout + du.stderr
     gc = subprocess.run([sys.executable, "-m", "edgeinfer", "gc"], capture_output=True, text=True, timeout=120)
