@@ -34,9 +34,11 @@ def qwen_engine(qwen_pair):
         yield engine
 
 
-# A raw completion whose second token (the first digit) is spread over several values.
+# A raw completion whose second token (the first digit) is spread over several values: seven
+# digits, 0.27 to 0.04 (the 0.5B's own q gives 16 and 24 as well, which the target never does: a
+# rule that kept q's samples would show them at once).
 NUMBER_PROMPT = "Here is a random whole number between 1 and 100:"
-RUNS = 70
+RUNS = 50
 
 
 @pytest.mark.real
@@ -105,10 +107,11 @@ def test_the_0_5b_draft_switches_itself_off_and_output_is_plain(qwen_engine, qwe
     _, draft = qwen_pair
     spec = SpeculationOptions.parse(form.format(draft))
     engine.prepare_speculation(spec)
-    fast = engine.chat(CODE_PROMPT, replace(GREEDY, speculation=spec)).result()
+    # Off within the first steps: 8 tokens show it (after that the decoding is plain).
+    fast = engine.chat(CODE_PROMPT, replace(GREEDY, max_tokens=8, speculation=spec)).result()
     sp = fast.stats.speculation
     assert "off" in sp.note and "target steps" in sp.note, sp
-    assert fast.tokens == plain_code_answer
+    assert fast.tokens == plain_code_answer[:8]
     if form.startswith("draft"):
         # Off before drafting, or within its first draft steps: the first estimate is taken after a
         # short prefix (the draft is not prefilled for it) and can be too cheap; the first draft at
