@@ -114,6 +114,23 @@ def default_engine(default_model_path: Path):
     engine.close()
 
 
+@pytest.fixture
+def vocabulary_walks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of the GGUF string arrays (vocabulary, merges) that reads walk during the test, in
+    order. White-box: the walk itself, most of a read's time."""
+    from edgeinfer import gguf_file
+
+    walked: list[str] = []
+    real = gguf_file._Cursor.walk_strings
+
+    def counting(self, key, *args, **kwargs):
+        walked.append(key)
+        return real(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_file._Cursor, "walk_strings", counting)
+    return walked
+
+
 @pytest.fixture(scope="session")
 def qwen_pair() -> tuple[Path, Path]:
     """(target, draft): the real Qwen2.5-Coder-1.5B/0.5B-Instruct Q4_K_M files, fetched once into a

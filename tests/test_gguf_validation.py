@@ -189,23 +189,16 @@ def test_long_tensor_name_is_refused(tmp_path):
         read_gguf(tmp_path / "long.gguf")
 
 
-def test_validation_walks_an_unchanged_file_once_and_a_rewritten_one_again(tmp_path, default_model_path, monkeypatch):
+def test_validation_walks_an_unchanged_file_once_and_a_rewritten_one_again(tmp_path, default_model_path,
+                                                                           vocabulary_walks):
     """validate_file walks a file's vocabulary once per process while the file stays the same
     (size, mtime, ctime, inode); rewritten in place so that two tokens are equal, it is walked
     again and refused, both times it is asked."""
     import shutil
 
-    from edgeinfer import gguf_file
     from edgeinfer.validate import validate_file
 
-    walked: list[str] = []
-    real = gguf_file._Cursor.walk_strings  # white-box: the walk itself
-
-    def counting(self, key, *args, **kwargs):
-        walked.append(key)
-        return real(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(gguf_file._Cursor, "walk_strings", counting)
+    walked = vocabulary_walks
     path = Path(shutil.copyfile(default_model_path, tmp_path / "model.gguf"))
     first = validate_file(path)
     assert walked.count("tokenizer.ggml.tokens") == 1

@@ -160,21 +160,13 @@ def test_every_type_gives_the_requested_tensor_types(synthetic_f16: Path):
     assert sizes["Q2_K"] < sizes["Q3_K_M"] < sizes["Q4_K_M"] < sizes["Q5_K_M"] < sizes["Q6_K"] < sizes["Q8_0"] < sizes["F16"]
 
 
-def test_a_quantization_walks_only_its_output_s_vocabulary_once(synthetic_f16: Path, monkeypatch):
+def test_a_quantization_walks_only_its_output_s_vocabulary_once(synthetic_f16: Path, vocabulary_walks):
     """Walking the vocabulary and merges is most of a GGUF read: a quantization walks its output's
     once (not again after the rename to its final name), and a source read before not at all (nor
     the default model that each new store registers)."""
-    from edgeinfer import gguf_file
     from edgeinfer.quantize import quantize_model
 
-    walked: list[str] = []
-    real = gguf_file._Cursor.walk_strings  # white-box: the walk itself
-
-    def counting(self, key, *args, **kwargs):
-        walked.append(key)
-        return real(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(gguf_file._Cursor, "walk_strings", counting)
+    walked = vocabulary_walks
     quantize_model(synthetic_f16, "Q8_0", output_type="F16", embedding_type="F16", tag="walk-a")
     assert walked  # (this process may not have read the source, or the default model, before)
     walked.clear()
