@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from scipy import stats
 from test_rejection_sampling import llama_chain_distribution
 
 import edgeinfer
@@ -44,6 +43,8 @@ RUNS = 50
 @pytest.mark.real
 @pytest.mark.slow
 def test_rejection_sampling_keeps_the_targets_distribution(qwen_engine, qwen_pair):
+    from scipy import stats  # (here: scipy takes a second to import, for every worker's collection)
+
     engine = qwen_engine
     _, draft = qwen_pair
     prompt = engine.tokenize(NUMBER_PROMPT)

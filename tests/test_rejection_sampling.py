@@ -8,7 +8,6 @@ import ctypes
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from edgeinfer.engine.options import SamplingOptions
 from edgeinfer.engine.sampler import TokenDistribution, sampling_distribution, verify_sampled_draft
@@ -38,6 +37,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_speculative_position_is_distributed_as_p(case: str) -> None:
+    from scipy import stats  # (here: scipy takes a second to import, for every worker's collection)
+
     p, q = (_dist(d) for d in CASES[case])
     rng = np.random.default_rng(1234)
     n = 5_000
@@ -59,6 +60,8 @@ def test_one_speculative_position_is_distributed_as_p(case: str) -> None:
 def test_the_rule_detects_a_wrong_residual() -> None:
     """The chi-square above has the power to see a mistake: resampling from p instead of the
     residual after a rejection gives a distribution that is not p."""
+    from scipy import stats
+
     p, q = (_dist(d) for d in CASES["disjoint parts"])
     rng = np.random.default_rng(7)
     n = 5_000

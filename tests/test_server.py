@@ -21,7 +21,6 @@ from edgeinfer_server import ServerConfig, check_credentials, create_app, is_loo
 from greedy_compare import NEAR_TIE
 from test_batch_engine import f16_path  # noqa: F401  (a session fixture shared with the engine tests)
 
-openai = pytest.importorskip("openai")
 
 PROMPTS = [
     "What is the capital of France?",
@@ -70,6 +69,8 @@ class Server:
         self.lines.put(None)
 
     def client(self, **kw) -> openai.OpenAI:
+        import openai  # (here: the client takes a second to import, for every worker's collection)
+
         return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=120, **kw)
 
     def metrics(self, headers: dict | None = None) -> str:
@@ -315,6 +316,8 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     # ... and it still answers.
     assert chat(server.client(), "Hi", max_tokens=3).choices[0].message.role == "assistant"
+    import openai
+
     with pytest.raises(openai.NotFoundError):
         chat(server.client(), "Hi", model="no-such-model")
 
@@ -336,6 +339,8 @@ def test_speculation_per_request(server):
 
 @pytest.mark.slow
 def test_the_key_is_enforced_by_the_running_server(one_slot):
+    import openai
+
     with pytest.raises(openai.AuthenticationError):
         chat(one_slot.client(api_key="wrong"), "Hi", max_tokens=2)
     assert chat(one_slot.client(api_key=KEY), "Hi", max_tokens=2).choices[0].message.content is not None
