@@ -37,7 +37,7 @@ def qwen_engine(qwen_pair):
 # digits, 0.27 to 0.04 (the 0.5B's own q gives 16 and 24 as well, which the target never does: a
 # rule that kept q's samples would show them at once).
 NUMBER_PROMPT = "Here is a random whole number between 1 and 100:"
-RUNS = 50
+RUNS = 40  # 4 cells expected >= 5 times, plus the pooled rest
 
 
 @pytest.mark.real

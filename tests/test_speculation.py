@@ -188,7 +188,7 @@ def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
     prompt = f16_engine.chat_tokens([{"role": "user", "content": "Name a colour."}])
     sampling = SamplingOptions(temperature=0.7)
     spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3, p_min=0.0)
-    n, length = 120, 3
+    n, length = 100, 3
 
     observed: collections.Counter = collections.Counter()
     drafted = accepted = 0
