@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -462,7 +463,7 @@ def quantize_model(
                 raise QuantizationError(f"quantizing {src_ref} to {qtype} failed: {capture.error_message()}")
             checked = read_gguf(tmp)  # validate before the file takes its final name
             seconds = time.monotonic() - started
-        info = read_gguf(target, known_spans=checked.string_spans)  # the same file, renamed: its vocabulary walked
+        info = dataclasses.replace(checked, path=Path(target))  # the file just validated, renamed
         try:
             manifest = store.register(
                 target, out_name, out_tag,

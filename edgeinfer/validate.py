@@ -154,19 +154,21 @@ def validate_file(path: str | Path, cache: _Cache | None = None) -> GGUFInfo:
         identity = _identity(path)
     except OSError:
         identity = None  # read_gguf says what is wrong with the path
-    known, from_store = None, False
-    if identity is not None and _validated.get(key, (None,))[0] == identity:
-        known = _validated[key][1]
-    elif identity is not None and cache is not None:
-        entry = cache.read_cache(_SPANS, key)
-        if isinstance(entry, dict) and entry.get("stat") == identity and isinstance(entry.get("spans"), dict):
-            known, from_store = {k: tuple(v) for k, v in entry["spans"].items() if _is_span(v)}, True
+    known = None
+    if identity is not None:
+        remembered = _validated.get(key)
+        if remembered is not None and remembered[0] == identity:
+            known = remembered[1]
+        elif cache is not None:
+            entry = cache.read_cache(_SPANS, key)
+            if isinstance(entry, dict) and entry.get("stat") == identity and isinstance(entry.get("spans"), dict):
+                known = {k: tuple(v) for k, v in entry["spans"].items() if _is_span(v)}
     info = read_gguf(path, known_spans=known)
     check_semantics(info)
-    if identity is not None and (known is None or from_store) and info.string_spans:
+    if identity is not None and info.string_spans:
         if len(_validated) >= _VALIDATED_MAX:
             _validated.clear()
-        _validated[key] = (identity, dict(known or info.string_spans))
+        _validated[key] = (identity, info.string_spans)
         if cache is not None and known is None:
             try:
                 cache.write_cache(_SPANS, key, {"stat": identity, "spans": info.string_spans})

@@ -143,29 +143,22 @@ def qwen_pair() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def default_model_copy(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path):
     """`default_model_copy("F16")`: the default model requantized by llama.cpp into that type, made
-    once per test run in a store of its own, outside the per-test stores: by the first
-    pytest-xdist worker that asks (their basetemps share a parent), while the others wait on a lock."""
+    once per test run (for all xdist workers) in a store of its own, outside the per-test stores."""
     import warnings
 
-    from filelock import FileLock
+    from once_per_run import once_per_run
 
     from edgeinfer import Store
     from edgeinfer.quantize import quantize_model
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
+    def quantized(root: Path, qtype: str) -> Path:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # requantizing Q4_1 warns, by design
+            store = Store(root / "default-model-copies")
+            return quantize_model(default_model_path, qtype, store=store, allow_requantize=True).path
 
     def make(qtype: str) -> Path:
         qtype = qtype.upper()
-        made = root / f"default-model-{qtype}.path"  # written once the copy is complete
-        with FileLock(str(root / f".default-model-{qtype}.lock")):
-            if not made.exists():
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # requantizing Q4_1 warns, by design
-                    store = Store(root / "default-model-copies")
-                    path = quantize_model(default_model_path, qtype, store=store, allow_requantize=True).path
-                made.write_text(str(path))
-        return Path(made.read_text())
+        return once_per_run(tmp_path_factory, f"default-model-{qtype}", lambda root: quantized(root, qtype))
 
     return make

@@ -19,7 +19,6 @@ import functools
 import importlib.metadata
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -410,21 +409,12 @@ def export_default_model_to_hf(folder: Path, dtype: str = "bfloat16", shards: in
 
 
 def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Path:
-    """The default model exported once per test run (per dtype): under pytest's basetemp, or
-    beside it for all pytest-xdist workers (their basetemps share a parent), built by the first
-    worker that asks while the others wait on a file lock (an export is ~10 s of CPU)."""
-    from filelock import FileLock
+    """The default model exported once per test run (per dtype), for all pytest-xdist workers
+    (an export is ~10 s of CPU)."""
+    from once_per_run import once_per_run
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    folder = root / f"smollm2-135m-instruct-hf-{dtype}"
-    done = folder / ".complete"
-    with FileLock(str(root / f".smollm2-135m-instruct-hf-{dtype}.lock")):
-        if not done.exists():
-            export_default_model_to_hf(folder, dtype)
-            done.write_text("ok")
-    return folder
+    folder = f"smollm2-135m-instruct-hf-{dtype}"
+    return once_per_run(tmp_path_factory, folder, lambda root: export_default_model_to_hf(root / folder, dtype))
 
 
 # -- llama.cpp logits with an f32 KV cache --------------------------------------------------------

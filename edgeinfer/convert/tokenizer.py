@@ -179,8 +179,6 @@ def _merges(model: dict[str, Any]) -> list[str]:
     merges = model.get("merges")
     if not isinstance(merges, list) or not merges:
         raise ConversionError("tokenizer.json has no merges")
-    if all(type(m) is str for m in merges):
-        return merges
     out: list[str] = []
     for i, m in enumerate(merges):
         if type(m) is str:
