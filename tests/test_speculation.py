@@ -140,11 +140,12 @@ def test_fixed_k_lookup_drafts_rejects_and_leaves_a_consistent_cache(f16_engine,
 
 
 def test_draft_model_greedy_identical(f16_engine, plain_greedy, default_model_path):
+    """The quoting prompt here; the story is the next test's (the same drafter, there with p_min 0,
+    checked token for token too); the long code edit would add 5 s of prefill for both models."""
     spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=4)
-    for prompt_index in (1, 2):  # (the long code edit would add 5 s of prefill for both models)
-        fast = run(f16_engine, PROMPTS[prompt_index], greedy(N_GREEDY, spec))
-        assert fast.tokens == plain_greedy(prompt_index).tokens
-        assert fast.stats.speculation.drafted > 0 and fast.stats.speculation.method == "draft"
+    fast = run(f16_engine, PROMPTS[1], greedy(N_GREEDY, spec))
+    assert fast.tokens == plain_greedy(1).tokens
+    assert fast.stats.speculation.drafted > 0 and fast.stats.speculation.method == "draft"
 
 
 def test_a_draft_model_catches_up_within_its_first_draft_decode(f16_engine, plain_greedy, default_model_path,
