@@ -174,6 +174,15 @@ def _default_vocab() -> dict[str, Any]:
 
 def write_tokenizer(folder: Path, pre: str = "smollm") -> int:
     """Write tokenizer.json + tokenizer_config.json built from the default model's vocab; returns its size."""
+    tokenizer_json, config_json, size = _tokenizer_files(pre)
+    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(config_json, encoding="utf-8")
+    return size
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_files(pre: str) -> tuple[str, str, int]:
+    """The text of write_tokenizer's two files (made once per pre-tokenizer: many tests write them)."""
     v = _default_vocab()
     tokens, types = v["tokens"], v["types"]
     special = [i for i, t in enumerate(types) if t == 3]
@@ -198,7 +207,6 @@ def write_tokenizer(folder: Path, pre: str = "smollm") -> int:
             "merges": [m.split(" ") for m in v["merges"]],  # the list-of-pairs format of transformers >= 4.45
         },
     }
-    (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
     cfg: dict[str, Any] = {
         "add_prefix_space": False,
         "added_tokens_decoder": {str(a["id"]): {k: a[k] for k in a if k != "id"} for a in added},
@@ -213,8 +221,7 @@ def write_tokenizer(folder: Path, pre: str = "smollm") -> int:
     }
     if v["add_bos"] is not None:
         cfg["add_bos_token"] = bool(v["add_bos"])
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
-    return len(tokens)
+    return json.dumps(tok, ensure_ascii=False), json.dumps(cfg, indent=2, ensure_ascii=False), len(tokens)
 
 
 def write_sentencepiece_tokenizer(folder: Path, corpus: str, vocab_size: int = 1000) -> int:
@@ -276,14 +283,18 @@ def make_random_hf_model(
         head_dim = 2 * hidden // heads if arch == "qwen3" else hidden // heads
     rng = np.random.default_rng(seed)
 
+    # Drawn in float32 (twice as fast as float64: the 49k-row embedding is most of a model's making).
+    def normal(shape: int | tuple[int, int]) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) * gain / math.sqrt(cols)).astype(np.float32)
+        return normal((rows, cols)) * np.float32(gain / math.sqrt(cols))
 
     def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+        return 1.0 + np.float32(0.2) * normal(n)
 
     q, kv = heads * head_dim, kv_heads * head_dim
-    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32)}
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab, hidden))}
     for i in range(layers):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm(hidden)
@@ -292,9 +303,9 @@ def make_random_hf_model(
         t[p + "self_attn.v_proj.weight"] = mat(kv, hidden)
         t[p + "self_attn.o_proj.weight"] = mat(hidden, q)
         if arch == "qwen2":
-            t[p + "self_attn.q_proj.bias"] = (0.5 * rng.standard_normal(q)).astype(np.float32)
-            t[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(kv)).astype(np.float32)
-            t[p + "self_attn.v_proj.bias"] = (0.5 * rng.standard_normal(kv)).astype(np.float32)
+            t[p + "self_attn.q_proj.bias"] = np.float32(0.5) * normal(q)
+            t[p + "self_attn.k_proj.bias"] = np.float32(0.5) * normal(kv)
+            t[p + "self_attn.v_proj.bias"] = np.float32(0.5) * normal(kv)
         if arch == "qwen3":
             t[p + "self_attn.q_norm.weight"] = norm(head_dim)
             t[p + "self_attn.k_norm.weight"] = norm(head_dim)
