@@ -56,7 +56,7 @@ def make_synthetic_gguf(path: Path, *, n_embd: int = 256, n_ff: int = 512, n_lay
             w.add_array(key, list(value))
 
     def mat(rows: int, cols: int) -> np.ndarray:  # numpy [rows, cols] -> GGUF shape (cols, rows)
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float16)
+        return (rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))).astype(np.float16)
 
     hd = n_embd // n_head
     w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
