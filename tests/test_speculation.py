@@ -277,13 +277,13 @@ def test_self_draft_is_made_by_the_quantizer_and_lossless(f16_path, plain_greedy
     plain = plain_greedy(1)
     with edgeinfer.load(f16.ref, n_ctx=4096, flash_attn=False) as engine:
         spec = SpeculationOptions(method="self", self_quant="Q8_0", adaptive=False, draft_max=4)
-        events = list(engine.chat(PROMPTS[1], greedy(N_GREEDY, spec)))
+        events = list(engine.chat(PROMPTS[1], greedy(N_GREEDY // 2, spec)))  # (identity on 64: the tests above)
         progress = [e for e in events if isinstance(e, SpeculationProgress)]
         assert progress and events[: len(progress)] == progress  # all of them before any token
         quantized = [e for e in progress if e.stage == "quantize"]
         assert quantized[-1].done == quantized[-1].total > 10 and progress[-1].stage == "ready"
         fast = events[-1]
-        assert fast.tokens == plain.tokens
+        assert fast.tokens == plain.tokens[: N_GREEDY // 2]
         assert fast.stats.speculation.method == "self=Q8_0" and fast.stats.speculation.drafted > 0
         engine.reset()
         again = list(engine.chat(PROMPTS[1], greedy(8, spec)))
