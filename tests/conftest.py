@@ -30,6 +30,36 @@ if _WORKERS > 1:
 # off for the suite's known-good files; the tests of that gate (tests/hostile) turn it on.
 os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
 
+# pytest-xdist gives each worker whole files (--dist loadfile). By default it hands out the files
+# with the most tests first, which leaves the few long end-to-end files for last, and one core
+# idles while the other finishes them. The longest files (measured with --durations, about 10 s or
+# more on 2 cores) go first instead, longest first; the rest follow in collection order
+# (--no-loadscope-reorder in pyproject.toml). A file missing here only runs later.
+_LONGEST_FIRST = (
+    "test_speculation.py", "test_batch_engine.py", "test_real_speculation_draft.py", "test_server.py",
+    "test_quantize.py", "test_cli.py", "test_convert_quantized.py", "test_convert_numeric.py",
+    "test_hub_e2e.py", "test_convert_roundtrip.py", "test_engine.py", "test_real_models.py",
+    "hostile/test_store.py", "test_convert.py", "test_evaluate.py", "test_kv_cache.py",
+    "tui/test_end_to_end.py", "tui/test_manage.py", "hostile/test_gguf_fuzz.py", "tui/test_kv_cache_choice.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    missing = [name for name in _LONGEST_FIRST if not (root / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py's _LONGEST_FIRST names no such test file: {', '.join(missing)}")
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+
+    def place(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+        except ValueError:  # a test file outside tests/
+            return len(rank)
+
+    items.sort(key=place)  # stable: each file's tests keep their order
+
+
 # The user's real state must never be touched by a test. Remember what it looks like now, point
 # every platform default (and so every child process) at a sandbox, and fail any test after which
 # the real directories changed (e.g. a child started by a long-lived server with the old environment).
