@@ -129,10 +129,15 @@ def default_gguf_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _default_metadata() -> dict[str, Any]:
+def _default_info() -> Any:
+    """The default GGUF read once, its arrays kept (50x faster than gguf's GGUFReader)."""
     from edgeinfer.gguf_file import read_gguf
 
-    return read_gguf(default_gguf_path(), keep_arrays=True).metadata  # 50x faster than gguf's GGUFReader
+    return read_gguf(default_gguf_path(), keep_arrays=True)
+
+
+def _default_metadata() -> dict[str, Any]:
+    return _default_info().metadata
 
 
 def _default_tensors() -> Iterator[tuple[str, np.ndarray]]:
@@ -140,11 +145,8 @@ def _default_tensors() -> Iterator[tuple[str, np.ndarray]]:
     dequantized by gguf-py (bit-identical to llama.cpp's own F32 requantization)."""
     import gguf
 
-    from edgeinfer.gguf_file import read_gguf
-
-    path = default_gguf_path()
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    for t in read_gguf(path).tensors:
+    raw = np.memmap(default_gguf_path(), dtype=np.uint8, mode="r")
+    for t in _default_info().tensors:
         qtype = gguf.GGMLQuantizationType(t.type_id)
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         rows = raw[t.offset : t.offset + t.n_bytes].reshape(-1, t.shape[0] // block * size)
