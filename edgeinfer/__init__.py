@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from .engine import Engine, Generation, load
 from .engine.batch import BatchEngine, BatchGeneration, BatchMetrics, BatchOptions, ScoredTokenEvent, SlotMetrics
-from .engine.events import DoneEvent, Event, GenerationStats, SpeculationProgress, SpeculationStats, TokenEvent
+from .engine.events import (
+    DoneEvent,
+    Event,
+    GenerationStats,
+    PrefillProgress,
+    SpeculationProgress,
+    SpeculationStats,
+    TokenEvent,
+)
 from .engine.options import (
     DEFAULT_GENERATE,
     DEFAULT_LOAD,
@@ -81,6 +89,7 @@ __all__ = [
     "GenerationStats",
     "SpeculationStats",
     "SpeculationProgress",
+    "PrefillProgress",
     # the store and files
     "Store",
     "ModelManifest",

@@ -163,6 +163,11 @@ class Engine:
         return self._runtime.n_ctx
 
     @property
+    def n_ctx_per_request(self) -> int:
+        """Positions one request may use (prompt + output): the whole context on one slot."""
+        return self._runtime.n_ctx
+
+    @property
     def n_ctx_train(self) -> int:
         return self._runtime.facts.n_ctx_train
 

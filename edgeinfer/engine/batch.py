@@ -467,6 +467,11 @@ class BatchEngine:
         return self.slot_ctx
 
     @property
+    def n_ctx_per_request(self) -> int:
+        """Positions one request may use (prompt + output): the context split between the slots."""
+        return self.slot_ctx
+
+    @property
     def threads(self) -> int:
         """llama.cpp's threads now (see Engine.threads)."""
         return self._runtime.threads

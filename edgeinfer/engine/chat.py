@@ -22,7 +22,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ChatTemplateError, InvalidOptionError
 
-__all__ = ["render_chat", "CHATML_TEMPLATE", "Message", "TemplateLimits", "BUILTIN_TEMPLATES"]
+__all__ = ["render_chat", "chat_tokens", "ChatVocab", "CHATML_TEMPLATE", "Message", "TemplateLimits",
+           "BUILTIN_TEMPLATES"]
 
 Message = Mapping[str, str]
 
@@ -292,6 +293,26 @@ def render_chat(
         raise ChatTemplateError(f"chat template of {name} failed: out of memory{_HINT}") from None
     except Exception as e:  # noqa: BLE001 - any error inside a template is the template's failure
         raise ChatTemplateError(f"chat template of {name} failed: {type(e).__name__}: {_one_line(e)}{_HINT}") from None
+
+
+@dataclass(frozen=True)
+class ChatVocab:
+    """What rendering and tokenizing a chat needs of a model's vocabulary."""
+
+    bos_text: str
+    eos_text: str
+    bos_id: int
+    add_bos: bool
+    tokenize: Callable[[str, bool], list[int]]  # (text, parse_special) -> ids, no BOS added
+
+
+def chat_tokens(template: str, messages: Sequence[Message], vocab: ChatVocab, *, name: str = "this model",
+                limits: TemplateLimits | None = None) -> list[int]:
+    """The prompt tokens of a conversation rendered with `template` (BOS added when the model
+    wants one and the template did not write it)."""
+    rendered = render_chat(template, messages, vocab.bos_text, vocab.eos_text, name=name, limits=limits)
+    add_bos = vocab.add_bos and vocab.bos_id >= 0 and not (vocab.bos_text and rendered.startswith(vocab.bos_text))
+    return ([vocab.bos_id] if add_bos else []) + vocab.tokenize(rendered, True)
 
 
 _HINT = "; raw completion and the built-in 'chatml' template still work"

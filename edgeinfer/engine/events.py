@@ -9,6 +9,7 @@ __all__ = [
     "TokenEvent",
     "DoneEvent",
     "SpeculationProgress",
+    "PrefillProgress",
     "GenerationStats",
     "SpeculationStats",
     "FinishReason",
@@ -29,6 +30,16 @@ class SpeculationProgress:
     message: str
     done: int = 0
     total: int = 0  # 0: unknown
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """The prompt being read before the first token: `done` of `total` prompt tokens are in the
+    KV cache (cached ones included). Sent after each prefill step of a prompt that takes more
+    than one step, so a front end can show progress on a long prompt."""
+
+    done: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -144,4 +155,4 @@ class DoneEvent:
         return d
 
 
-Event = TokenEvent | SpeculationProgress | DoneEvent
+Event = TokenEvent | SpeculationProgress | PrefillProgress | DoneEvent

@@ -1,0 +1,170 @@
+"""What both engine faces (Engine, BatchEngine) share: a loaded model's facts, its text and the
+checks every request passes before it reaches the scheduler core.
+
+One place for these so that the two faces cannot drift: the same token-id checks, the same option
+checks, the same meaning of `n_ctx` (the whole context, as loaded) and `n_ctx_per_request` (what one
+request may use: the whole context on Engine, a slot's share on BatchEngine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from ..errors import ContextLengthError, EngineClosedError, InvalidOptionError
+from ..gguf_file import GGUFInfo
+from ..store import ModelManifest, Store
+from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
+from .llama import LlamaRuntime
+from .options import GenerateOptions, LoadOptions
+
+__all__ = ["ModelFace"]
+
+
+class ModelFace:
+    """A model loaded in one llama.cpp context, as the public API shows it (see the module)."""
+
+    path: Path
+    info: GGUFInfo
+    manifest: ModelManifest | None
+    options: LoadOptions
+    store: Store
+    _runtime: LlamaRuntime
+    _chosen_template: str | None = None
+
+    # -- facts -----------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.manifest.ref if self.manifest else self.path.name
+
+    @property
+    def n_vocab(self) -> int:
+        return self._runtime.facts.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        """The whole context, in tokens (as loaded: LoadOptions.n_ctx, llama-server's -c)."""
+        return self._runtime.n_ctx
+
+    @property
+    def n_ctx_per_request(self) -> int:
+        """Positions one request may use (prompt + output): the context split between the slots."""
+        return self._runtime.n_ctx // self._slots_count()
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self._runtime.facts.n_ctx_train
+
+    @property
+    def threads(self) -> int:
+        """llama.cpp's threads now: LoadOptions.n_threads when pinned, else the cores that other
+        processes leave free, re-checked every few seconds while decoding (edgeinfer.cpu)."""
+        return self._runtime.threads
+
+    def _slots_count(self) -> int:
+        return 1
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError(f"this engine ({self.name}) is closed")
+
+    # -- the chat template -----------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str:
+        """The template `chat` renders with: the model's own (ChatML when it has none), unless
+        another was assigned, e.g. `engine.chat_template = "chatml"` when the model's is unusable."""
+        if self._chosen_template is not None:
+            return self._chosen_template
+        tpl = self.info.metadata.get("tokenizer.chat_template")
+        return tpl if isinstance(tpl, str) and tpl.strip() else CHATML_TEMPLATE
+
+    @chat_template.setter
+    def chat_template(self, template: str) -> None:
+        if not isinstance(template, str) or not template.strip():
+            raise InvalidOptionError("a chat template must be a non-empty string (or 'chatml')")
+        self._chosen_template = BUILTIN_TEMPLATES.get(template, template)
+
+    # -- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self._check_open()
+        if not isinstance(text, str):
+            raise InvalidOptionError(f"text to tokenize must be a string, got {type(text).__name__}")
+        return self._runtime.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        self._check_open()
+        ids = self._token_ids(tokens)
+        return b"".join(self._runtime.piece(t, special) for t in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token prints as (special tokens as their text)."""
+        self._check_open()
+        return self._runtime.piece(self._runtime.check_token(token), True)
+
+    def token_text(self, token: int) -> str:
+        self._check_open()
+        return self._runtime.token_text(token)
+
+    def _vocab(self) -> ChatVocab:
+        rt = self._runtime
+        return ChatVocab(
+            bos_text=rt.token_text(rt.bos) if rt.bos >= 0 else "",
+            eos_text=rt.token_text(rt.eos) if rt.eos >= 0 else "",
+            bos_id=rt.bos,
+            add_bos=rt.add_bos,
+            tokenize=lambda text, parse_special: rt.tokenize(text, False, parse_special),
+        )
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        self._check_open()
+        vocab = self._vocab()
+        return render_chat(self.chat_template, self._messages(messages), vocab.bos_text, vocab.eos_text,
+                           name=self.name)
+
+    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
+        """The prompt tokens of a conversation, rendered with the model's own chat template."""
+        self._check_open()
+        return chat_tokens(self.chat_template, self._messages(messages), self._vocab(), name=self.name)
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _token_ids(self, tokens: Sequence[int]) -> list[int]:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise InvalidOptionError(f"token ids must be a sequence of integers, got {type(tokens).__name__}")
+        return [self._runtime.check_token(t) for t in tokens]
+
+    @staticmethod
+    def _messages(messages: Sequence[Message]) -> list[Message]:
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+            raise InvalidOptionError("messages must be a list of {'role': ..., 'content': ...} dicts, "
+                                     f"got {type(messages).__name__}")
+        msgs = list(messages)
+        for m in msgs:
+            if not isinstance(m, Mapping):
+                raise InvalidOptionError(f"each chat message must be a dict, got {type(m).__name__}")
+        return msgs
+
+    def check_request(self, tokens: Sequence[int], options: GenerateOptions | None = None) -> GenerateOptions:
+        """Validate a request (prompt token ids, options) without running it; returns the options."""
+        self._check_open()
+        if options is not None and not isinstance(options, GenerateOptions):
+            raise InvalidOptionError(f"options must be GenerateOptions, got {type(options).__name__}")
+        options = (options or GenerateOptions()).validate()
+        if not tokens:
+            raise InvalidOptionError("the prompt is empty")
+        limit = self.n_ctx_per_request
+        if len(tokens) >= limit:
+            split = f" (context {self.n_ctx} split between {self._slots_count()} slots: raise --ctx or lower " \
+                    "--parallel)" if self._slots_count() > 1 else "; shorten it or load with a larger context (--ctx)"
+            raise ContextLengthError(f"the prompt is {len(tokens)} tokens but a request can use {limit}{split}")
+        if options.sampling.top_k > self.n_vocab:
+            raise InvalidOptionError(f"top_k must be at most the vocabulary size ({self.n_vocab}), "
+                                     f"got {options.sampling.top_k}")
+        return options
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A raw prompt: text is tokenized, token ids are checked (ints in the vocabulary)."""
+        return self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
