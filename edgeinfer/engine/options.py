@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import InvalidOptionError
+from .grammar import Grammar, json_schema_to_grammar
 from ..cpu import usable_cores
 from ..llama_backend import env_threads, max_threads, threads_out_of_range
 from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
@@ -106,7 +108,23 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Sampling through llama.cpp's sampler chain. temperature 0 means greedy."""
+    """Sampling through llama.cpp's sampler chain. temperature 0 means greedy.
+
+    The chain, in llama.cpp's order: the request's grammar (GenerateOptions.grammar/json_schema),
+    penalties, top-k, top-p, min-p, temperature, then a draw from what is left.
+
+    Penalties (llama.cpp's penalties sampler) apply to the tokens *generated* by this request among
+    its last `repeat_last_n`, never to the prompt's (llama-cpp-python's convention and OpenAI's, whose
+    counts are of sampled tokens; llama-server also counts the prompt, so a chat's role markers and
+    every word of the question would be penalized). For a token seen c > 0 times in that window the
+    logit l becomes l / repeat_penalty (l > 0) or l * repeat_penalty (l <= 0), minus
+    c * frequency_penalty + presence_penalty. repeat_last_n 0 turns all three off.
+
+    seed: any 64-bit integer (OpenAI's range, negative too); None draws a random one per request.
+    The seed is mixed into llama.cpp's 32-bit seed by a hash (`sampler.llama_seed`), never
+    wrapped mod 2**32 and never llama.cpp's "random" value 0xFFFFFFFF: the same seed gives the same
+    output on the same model, settings and engine shape.
+    """
 
     temperature: float = 0.7
     top_k: int = 40
@@ -114,22 +132,30 @@ class SamplingOptions:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None  # None: a random seed per request
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is in effect (then the distribution depends on the tokens generated)."""
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+
     def validate(self) -> SamplingOptions:
         def bad(msg: str) -> InvalidOptionError:
             return InvalidOptionError(f"invalid sampling option: {msg}")
 
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             _number("invalid sampling option: ", name, getattr(self, name))
         _int("invalid sampling option: ", "top_k", self.top_k, -_INT32_MAX)
         _int("invalid sampling option: ", "repeat_last_n", self.repeat_last_n, -_INT32_MAX)
         if self.seed is not None:
-            _int("invalid sampling option: ", "seed", self.seed, -(2**63), 2**63)
+            _int("invalid sampling option: ", "seed", self.seed, -(2**63), 2**63 - 1)
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -140,10 +166,11 @@ class SamplingOptions:
             raise bad(f"min_p must be in [0, 1), got {self.min_p}")
         if self.repeat_penalty <= 0:
             raise bad(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repeat_last_n < 0:
             raise bad(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise bad(f"seed must be in [0, 2**32), got {self.seed}")
         return self
 
 
@@ -206,12 +233,32 @@ class SpeculationOptions:
 
 @dataclass(frozen=True)
 class GenerateOptions:
-    """One request: how many tokens, when to stop, how to sample, whether to speculate."""
+    """One request: how many tokens, when to stop, how to sample, whether to speculate.
+
+    grammar (a Grammar, or GBNF text) or json_schema (a mapping or JSON text; at most one of the
+    two) constrains the output (engine/grammar.py); `resolved_grammar()` is the Grammar in effect.
+    """
 
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
+    grammar: Grammar | str | None = None
+    json_schema: Mapping[str, Any] | str | None = field(default=None, hash=False)
+
+    def resolved_grammar(self) -> Grammar | None:
+        """The Grammar that constrains this request: `grammar` (GBNF text becomes Grammar(text)), the
+        compilation of `json_schema`, or None."""
+        if self.grammar is not None and self.json_schema is not None:
+            raise InvalidOptionError("give either grammar or json_schema, not both")
+        if isinstance(self.grammar, str):
+            return Grammar(self.grammar)
+        if self.grammar is not None:
+            _instance("", "grammar", self.grammar, Grammar, "a Grammar or GBNF text")
+            return self.grammar
+        if self.json_schema is not None:
+            return json_schema_to_grammar(self.json_schema)
+        return None
 
     def validate(self) -> GenerateOptions:
         _int("", "max_tokens", self.max_tokens, -_INT32_MAX)
@@ -228,6 +275,10 @@ class GenerateOptions:
                   "SpeculationOptions (SpeculationOptions.parse('lookup') reads the CLI form)")
         self.sampling.validate()
         self.speculation.validate()
+        _instance("", "json_schema", self.json_schema, (Mapping, str, type(None)), "a mapping, JSON text or None")
+        grammar = self.resolved_grammar()
+        if grammar is not None:
+            grammar.validate()
         return self
 
     def with_sampling(self, **changes: object) -> GenerateOptions:
