@@ -180,7 +180,7 @@ def test_context_larger_than_model_supports(default_model_path):
 @pytest.mark.parametrize(
     "bad",
     [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0), dict(top_k=-3),
-     dict(repeat_penalty=0.0), dict(temperature=float("nan")), dict(seed=-1)],
+     dict(repeat_penalty=0.0), dict(temperature=float("nan")), dict(seed=2**63)],
 )
 def test_invalid_sampling_values(default_engine, bad):
     with pytest.raises(InvalidOptionError):

@@ -1,26 +1,65 @@
-"""Token sampling through llama.cpp's sampler chain (penalties → top-k → top-p → min-p → temp → dist).
+"""Token sampling: llama.cpp's sampler chain, its distribution in numpy, and the request's state.
 
-Greedy decoding without penalties skips the chain and takes numpy's argmax of the zero-copy logits
-row: the same token llama.cpp's greedy sampler picks, without building a candidates array.
+The chain, in llama.cpp's order: grammar → penalties → top-k → top-p → min-p → temperature → dist
+(greedy: grammar → penalties → greedy). Greedy decoding with neither penalties nor a grammar skips
+the chain and takes numpy's argmax of the zero-copy logits row: the token llama.cpp's greedy
+sampler picks, without building a candidates array.
 
 Speculation with a sampling draft model needs the distributions themselves, not only a sample:
-`sampling_distribution` is the chain's transforms (top-k → top-p → min-p → temperature → softmax,
-as llama.cpp applies them) in numpy float64, and `verify_sampled_draft` is the rejection rule that
-makes one speculative position distributed exactly as the target's p.
+`Sampler.distribution(row)` is exactly the distribution `sample(row)` draws from in the sampler's
+current state — the grammar's mask (llama.cpp's own grammar sampler applied to the row) and the
+penalties (from the request's generated tokens) in float32 as llama.cpp computes them, then
+`sampling_distribution`'s top-k → top-p → min-p → temperature → softmax in float64 — and
+`verify_sampled_draft` is the rejection rule that makes one speculative position distributed
+exactly as p.
+
+State. A request's grammar and penalty window advance with every token it commits: `sample` and
+`draw` accept the token they return; a token chosen elsewhere (the rejection rule) is committed
+with `accept(token)` before the next row's distribution is asked for. Sample-and-match verification
+samples rows in order and every sampled token is committed, so the state never rolls back.
+`fork()` is an independent copy (llama_sampler_clone) that a draft model advances along its own
+drafts and then throws away. Why grammar-constrained sampling stays lossless with speculation:
+see engine/grammar.py.
+
+Seeds. A request's seed (any int64, see SamplingOptions) is mixed by BLAKE2b into the 32-bit seed of
+llama.cpp's dist sampler (`llama_seed`; never 0xFFFFFFFF, llama.cpp's "random" value) and into the
+seed of the numpy RNG that draws what is sampled in numpy (speculative sampling).
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
+import weakref
+from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidOptionError
 from ..llama_backend import backend
+from .grammar import Grammar, _new_sampler
 from .llama import LlamaRuntime, set_fields
-from .options import SamplingOptions
+from .options import GenerateOptions, SamplingOptions
 
-__all__ = ["Sampler", "TokenDistribution", "sampling_distribution", "verify_sampled_draft"]
+__all__ = ["Sampler", "TokenDistribution", "sampling_distribution", "verify_sampled_draft", "llama_seed",
+           "LLAMA_DEFAULT_SEED"]
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "draw a random seed" value (llama.h)
+
+
+def _seed_digest(seed: int) -> bytes:
+    return hashlib.blake2b(seed.to_bytes(8, "little", signed=True), digest_size=16, person=b"edgeinfer-seed").digest()
+
+
+def llama_seed(seed: int) -> int:
+    """The 32-bit seed llama.cpp's dist sampler gets for a request seed (any int64): BLAKE2b of the
+    seed's 8 bytes, so nearby and negative seeds give unrelated streams and no two seeds that differ
+    by 2**32 collide by construction; 0xFFFFFFFF (llama.cpp's "random") is moved to 0xFFFFFFFE."""
+    s = int.from_bytes(_seed_digest(seed)[:4], "little")
+    return s - 1 if s == LLAMA_DEFAULT_SEED else s
 
 
 @dataclass(frozen=True)
@@ -47,11 +86,12 @@ class TokenDistribution:
 
 
 def sampling_distribution(logits: np.ndarray, options: SamplingOptions) -> TokenDistribution:
-    """The distribution llama.cpp's chain samples from for one logits row (no penalties): top-k on the
-    raw logits, top-p on their softmax (smallest prefix by descending probability whose sum reaches
-    top_p, at least one token), min-p (logit ≥ max + log min_p), then softmax(logits / temperature)
-    over what is left. Greedy is the one-hot argmax. float64 on the (float32, zero-copy) row; only
-    the top-k candidates are converted when top_k > 0."""
+    """The distribution llama.cpp's chain samples from for one logits row (penalties and grammar
+    already applied, if any: -inf marks a forbidden token): top-k on the logits, top-p on their
+    softmax (smallest prefix by descending probability whose sum reaches top_p, at least one token),
+    min-p (logit ≥ max + log min_p), then softmax(logits / temperature) over what is left. Greedy is
+    the one-hot argmax. float64 on the (float32, zero-copy) row; only the top-k candidates are
+    converted when top_k > 0."""
     n = logits.shape[0]
     if options.greedy:
         return TokenDistribution(np.array([int(np.argmax(logits))], dtype=np.int64), np.ones(1))
@@ -62,6 +102,11 @@ def sampling_distribution(logits: np.ndarray, options: SamplingOptions) -> Token
     z = logits[ids].astype(np.float64)
     order = np.argsort(-z, kind="stable")
     ids, z = ids[order], z[order]
+    if z[-1] == -np.inf:  # forbidden tokens have probability 0: out of the support
+        keep = int(np.count_nonzero(z > -np.inf))
+        if keep == 0:
+            raise InvalidOptionError("no token is allowed here (every logit is -inf)")
+        ids, z = ids[:keep], z[:keep]
     if options.top_p < 1.0:
         e = np.exp(z - z[0])
         cum = np.cumsum(e / e.sum())
@@ -90,66 +135,272 @@ def verify_sampled_draft(p: TokenDistribution, q: TokenDistribution, drafted: in
     return False, TokenDistribution(p.ids, residual / total).draw(rng)
 
 
-class Sampler:
-    """One request's sampler state (RNG, penalty history). Sample rows in order, without gaps."""
+# llama_token_data {id int32, logit float, p float}: a numpy structured array llama.cpp reads in place.
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
-    def __init__(self, runtime: LlamaRuntime, options: SamplingOptions):
+# Per model: control tokens that are not end-of-generation (role markers and the like). Their text
+# is empty when detokenized, but the grammar matches them by their marker text, so a grammar could
+# "accept" `<|im_start|>` inside a JSON string and the output would not be what it checked:
+# a (non-lazy) grammar forbids them.
+_hidden_tokens: weakref.WeakKeyDictionary[LlamaRuntime, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _hidden(runtime: LlamaRuntime) -> np.ndarray:
+    ids = _hidden_tokens.get(runtime)
+    if ids is None:
+        ll = backend()
+        vocab = runtime.vocab
+        control = ll.LLAMA_TOKEN_ATTR_CONTROL
+        ids = np.array([t for t in range(runtime.facts.n_vocab)
+                        if ll.llama_vocab_get_attr(vocab, t) & control and not ll.llama_vocab_is_eog(vocab, t)],
+                       dtype=np.int64)
+        _hidden_tokens[runtime] = ids
+    return ids
+
+
+class Sampler:
+    """One request's sampling state (chain, grammar, penalty window, RNG). Sample rows in order,
+    without gaps; see the module docstring for how state advances."""
+
+    def __init__(self, runtime: LlamaRuntime, options: SamplingOptions, grammar: Grammar | None = None):
         self.runtime = runtime
         self.options = options
-        self._argmax_only = options.greedy and options.repeat_penalty == 1.0
-        self._chain = None
-        self.seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.grammar = grammar
+        self.seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(8), "little", signed=True)
+        digest = _seed_digest(self.seed)
+        self.llama_seed = llama_seed(self.seed)
         # The request's one RNG for what is sampled in numpy (speculative sampling's draws).
-        self.rng = np.random.default_rng(self.seed)
-        # Whether `distribution` is exactly what the chain samples from (penalties depend on history).
-        self.exact = not options.greedy and options.repeat_penalty == 1.0
+        self.rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        # Whether `distribution(row)` is exactly what `sample(row)` draws from (in the current state).
+        self.exact = not options.greedy
+        self._penalized = options.penalized
+        # The generated tokens in the penalty window, for the numpy distribution.
+        self._window: deque[int] | None = deque(maxlen=options.repeat_last_n) if self._penalized else None
+        self._argmax_only = options.greedy and not self._penalized and grammar is None
+        self._chain: Any = None
+        self._grammar: Any = None
+        self._cand: np.ndarray | None = None
+        self._arr: Any = None
+        self._one: Any = None
+        self._one_data: np.ndarray | None = None
+        self._hidden = np.zeros(0, dtype=np.int64)
         if self._argmax_only:
             return
         ll = backend()
-        params = set_fields(ll.llama_sampler_chain_default_params(), no_perf=True)
-        chain = ll.llama_sampler_chain_init(params)
-        add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
-        if options.repeat_penalty != 1.0:
-            add(ll.llama_sampler_init_penalties(options.repeat_last_n, options.repeat_penalty, 0.0, 0.0))
-        if options.greedy:
-            add(ll.llama_sampler_init_greedy())
-        else:
-            if options.top_k > 0:
-                add(ll.llama_sampler_init_top_k(options.top_k))
-            if options.top_p < 1.0:
-                add(ll.llama_sampler_init_top_p(options.top_p, 1))
-            if options.min_p > 0.0:
-                add(ll.llama_sampler_init_min_p(options.min_p, 1))
-            add(ll.llama_sampler_init_temp(options.temperature))
-            add(ll.llama_sampler_init_dist(self.seed))
-        self._chain = chain
+        try:
+            if grammar is not None:
+                self._grammar = _new_sampler(grammar, runtime.vocab)
+                for t in grammar.trigger_tokens:
+                    runtime.check_token(t)
+                if not grammar.lazy:
+                    self._hidden = _hidden(runtime)
+            self._chain = self._build_chain(ll)
+        except BaseException:
+            self.close()
+            raise
 
+    @classmethod
+    def for_request(cls, runtime: LlamaRuntime, options: GenerateOptions) -> Sampler:
+        """The sampler of one request: its sampling options and its grammar (grammar or json_schema)."""
+        return cls(runtime, options.sampling, options.resolved_grammar())
+
+    def _build_chain(self, ll: Any) -> Any:
+        o = self.options
+        chain = ll.llama_sampler_chain_init(set_fields(ll.llama_sampler_chain_default_params(), no_perf=True))
+
+        def add(s: Any) -> None:
+            if not s:
+                raise InvalidOptionError("llama.cpp refused a sampler setting")
+            ll.llama_sampler_chain_add(chain, s)  # the chain owns it from here
+
+        try:
+            if self._penalized:
+                add(ll.llama_sampler_init_penalties(self.runtime.facts.n_vocab, o.repeat_last_n, o.repeat_penalty,
+                                                    o.frequency_penalty, o.presence_penalty))
+            if o.greedy:
+                add(ll.llama_sampler_init_greedy())
+            else:
+                if o.top_k > 0:
+                    add(ll.llama_sampler_init_top_k(o.top_k))
+                if o.top_p < 1.0:
+                    add(ll.llama_sampler_init_top_p(o.top_p, 1))
+                if o.min_p > 0.0:
+                    add(ll.llama_sampler_init_min_p(o.min_p, 1))
+                add(ll.llama_sampler_init_temp(o.temperature))
+                add(ll.llama_sampler_init_dist(self.llama_seed))
+        except BaseException:
+            ll.llama_sampler_free(chain)
+            raise
+        return chain
+
+    def _buffers(self) -> None:
+        """The candidates arrays llama.cpp's samplers read and write in place (made when first needed)."""
+        ll = backend()
+        n = self.runtime.facts.n_vocab
+        self._cand = np.zeros(n, dtype=_TOKEN_DATA)
+        ptr = ctypes.cast(self._cand.ctypes.data, ctypes.POINTER(ll.llama_token_data))
+        self._arr = ll.llama_token_data_array(data=ptr, size=n, selected=-1, sorted=False)
+        self._one_data = np.zeros(1, dtype=_TOKEN_DATA)
+        one_ptr = ctypes.cast(self._one_data.ctypes.data, ctypes.POINTER(ll.llama_token_data))
+        self._one = ll.llama_token_data_array(data=one_ptr, size=1, selected=-1, sorted=False)
+
+    # -- state ------------------------------------------------------------------------------------
     def prime(self, tokens: list[int]) -> None:
-        """Feed the prompt into the penalty history without sampling."""
-        if self._chain is not None and self.options.repeat_penalty != 1.0:
-            ll = backend()
-            for t in tokens[-self.options.repeat_last_n :] if self.options.repeat_last_n else []:
-                ll.llama_sampler_accept(self._chain, t)
+        """Called with the prompt before the first sample. The prompt enters neither the penalty
+        window (SamplingOptions: penalties count generated tokens only) nor the grammar (which
+        constrains the output from its first token)."""
 
-    def sample(self, row: int) -> int:
-        """Sample (and accept) the token for batch row `row` of the last decode."""
+    def allowed(self, token: int) -> bool:
+        """Whether the grammar (in its current state) allows `token` next; always True without one."""
+        if self._grammar is None:
+            return True
+        if self._hidden.size and int(token) in self._hidden:
+            return False
+        if self._one is None:
+            self._buffers()
+        one = self._one_data
+        one["id"], one["logit"], one["p"] = int(token), 0.0, 0.0
+        self._one.size, self._one.selected, self._one.sorted = 1, -1, False
+        backend().llama_sampler_apply(self._grammar, ctypes.byref(self._one))
+        return bool(one["logit"][0] != -np.inf)
+
+    def accept(self, token: int) -> None:
+        """Commit a token chosen outside this sampler (e.g. by the rejection rule): advance the grammar
+        and the penalty window. A token the grammar forbids is an InvalidOptionError (llama.cpp
+        would abort the process)."""
+        token = self.runtime.check_token(token)
+        if not self.allowed(token):
+            raise InvalidOptionError(f"token {token} is not allowed by the grammar here")
+        self._advance(token, chain=True)
+
+    def _advance(self, token: int, chain: bool) -> None:
+        ll = backend()
+        if self._grammar is not None:
+            ll.llama_sampler_accept(self._grammar, token)
+        if chain and self._chain is not None:
+            ll.llama_sampler_accept(self._chain, token)  # the penalties' window (the others ignore it)
+        if self._window is not None:
+            self._window.append(token)
+
+    def fork(self, runtime: LlamaRuntime | None = None) -> Sampler:
+        """An independent copy of this sampler's state (grammar, penalty window, chain) that reads
+        logits from `runtime` (default: the same; a draft model's, whose vocabulary must be the
+        target's). It shares the request's RNG, so all numpy draws come from one seeded stream.
+        Close it when done."""
+        ll = backend()
+        twin = Sampler.__new__(Sampler)
+        twin.__dict__.update(self.__dict__)
+        twin.runtime = runtime if runtime is not None else self.runtime
+        twin._window = deque(self._window, maxlen=self._window.maxlen) if self._window is not None else None
+        twin._chain = twin._grammar = twin._cand = twin._arr = twin._one = twin._one_data = None
+        try:
+            if self._grammar is not None:
+                twin._grammar = ll.llama_sampler_clone(self._grammar)
+            if self._chain is not None:
+                twin._chain = ll.llama_sampler_clone(self._chain)
+        except BaseException:
+            twin.close()
+            raise
+        return twin
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def _logits(self, row: int | np.ndarray) -> np.ndarray:
+        return row if isinstance(row, np.ndarray) else self.runtime.logits_row(row)
+
+    def _candidates(self, logits: np.ndarray) -> None:
+        """Fill the candidates array with `logits` (ids in vocabulary order, the whole vocabulary) and
+        apply the grammar, if any. Raises when the grammar allows no token."""
+        if self._cand is None:
+            self._buffers()
+        cand, arr = self._cand, self._arr
+        assert cand is not None
+        cand["id"] = np.arange(len(cand), dtype=np.int32)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr.size, arr.selected, arr.sorted = len(cand), -1, False
+        if self._grammar is None:
+            return
+        if self._hidden.size:
+            cand["logit"][self._hidden] = -np.inf
+        backend().llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        if not np.isfinite(cand["logit"]).any():
+            raise InvalidOptionError("the grammar allows no token here (no token of this model's vocabulary "
+                                     "continues it, and it is not complete)")
+
+    def _penalize(self, z: np.ndarray) -> None:
+        """llama.cpp's penalties sampler, in place on the float32 row `z` (same float32 arithmetic)."""
+        if not self._window:
+            return
+        o = self.options
+        counts = Counter(self._window)
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        c = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        rp = np.float32(o.repeat_penalty)
+        v = z[ids]
+        v = np.where(v <= 0, v * rp, v / rp).astype(np.float32)
+        v -= c * np.float32(o.frequency_penalty) + np.float32(1.0) * np.float32(o.presence_penalty)
+        z[ids] = v
+
+    def transformed_logits(self, row: int | np.ndarray) -> np.ndarray:
+        """The row after the grammar's mask (-inf) and the penalties: what top-k etc. see. The raw
+        row itself (zero-copy, do not write) when there are neither."""
+        logits = self._logits(row)
+        if self._grammar is None and not self._penalized:
+            return logits
+        if self._grammar is not None:
+            self._candidates(logits)
+            assert self._cand is not None
+            z = self._cand["logit"].copy()
+        else:
+            z = np.array(logits, dtype=np.float32, copy=True)
+        self._penalize(z)
+        return z
+
+    def distribution(self, row: int | np.ndarray) -> TokenDistribution:
+        """The distribution `sample(row)` draws from in the current state: batch row `row` of the last
+        decode (or a logits row given as an array), constrained and penalized, then transformed."""
+        return sampling_distribution(self.transformed_logits(row), self.options)
+
+    def sample(self, row: int | np.ndarray) -> int:
+        """Sample the token for batch row `row` of the last decode with llama.cpp's chain, and accept it."""
         if self._argmax_only:
-            return int(np.argmax(self.runtime.logits_row(row)))
-        return int(backend().llama_sampler_sample(self._chain, self.runtime.ctx, row))
+            return int(np.argmax(self._logits(row)))
+        ll = backend()
+        if self._grammar is None and not isinstance(row, np.ndarray):
+            token = int(ll.llama_sampler_sample(self._chain, self.runtime.ctx, row))  # accepts into the chain
+            self._advance(token, chain=False)
+            return token
+        logits = self._logits(row)
+        if self._grammar is not None and self.options.greedy and not self._penalized:
+            # The unconstrained argmax, when the grammar allows it, is the constrained argmax.
+            best = int(np.argmax(logits))
+            if self.allowed(best):
+                self._advance(best, chain=True)
+                return best
+        self._candidates(logits)
+        arr = self._arr
+        ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise InvalidOptionError("llama.cpp's sampler selected no token")
+        token = int(arr.data[arr.selected].id)
+        self._advance(token, chain=True)
+        return token
 
-    def distribution(self, row: int) -> TokenDistribution:
-        """The post-transform distribution of batch row `row` of the last decode (see `exact`)."""
-        return sampling_distribution(self.runtime.logits_row(row), self.options)
-
-    def draw(self, row: int) -> int:
-        """Sample batch row `row` in numpy with the request's RNG (the chain's distribution, without
-        its RNG): the target's draws when a sampling draft model speculates."""
-        return self.distribution(row).draw(self.rng)
+    def draw(self, row: int | np.ndarray) -> int:
+        """Sample row `row` in numpy with the request's RNG from `distribution(row)` (not the chain's
+        RNG), and accept it: the target's draws when a sampling draft model speculates."""
+        token = self.distribution(row).draw(self.rng)
+        self._advance(token, chain=True)
+        return token
 
     def close(self) -> None:
-        if self._chain is not None:
-            backend().llama_sampler_free(self._chain)
-            self._chain = None
+        ll = None
+        for name in ("_chain", "_grammar"):
+            smpl = getattr(self, name, None)
+            if smpl is not None:
+                ll = ll or backend()
+                ll.llama_sampler_free(smpl)
+                setattr(self, name, None)
 
     def __del__(self) -> None:  # pragma: no cover - safety net
         self.close()
