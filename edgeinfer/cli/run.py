@@ -10,7 +10,7 @@ import shlex
 import signal
 import sys
 
-from ._common import INT32_MAX, ctx_type, UINT32_MAX, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type, THREADS_HELP
+from ._common import INT32_MAX, ctx_type, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type, THREADS_HELP
 
 __all__ = ["register"]
 
@@ -44,7 +44,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=sampling.top_p)
     p.add_argument("--min-p", type=float, default=sampling.min_p)
     p.add_argument("--repeat-penalty", type=float, default=sampling.repeat_penalty)
-    p.add_argument("--seed", type=int_range(0, UINT32_MAX))
+    p.add_argument("--presence-penalty", type=float, default=sampling.presence_penalty,
+                   help="subtracted from the logit of each token already generated (-2..2, OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=sampling.frequency_penalty,
+                   help="subtracted per occurrence of a token already generated (-2..2, OpenAI's)")
+    p.add_argument("--repeat-last-n", type=int_range(0, INT32_MAX), default=sampling.repeat_last_n,
+                   help="the penalties' window: the last N generated tokens (0 = penalties off)")
+    p.add_argument("--seed", type=int_range(-(2**63), 2**63 - 1), help="any 64-bit integer (default: random)")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", metavar="FILE|JSON",
+                           help="constrain the output to JSON that validates against this schema (a file or inline JSON)")
+    constrain.add_argument("--grammar", metavar="FILE", help="constrain the output to this GBNF grammar (llama.cpp's format)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
@@ -160,6 +170,36 @@ def _prepare_speculation(engine, speculation) -> None:  # noqa: ANN001 - edgeinf
         bar.close()
 
 
+def _constraint(args: argparse.Namespace) -> dict[str, str]:
+    """--json-schema FILE|JSON / --grammar FILE as GenerateOptions fields (compiled and checked by validate)."""
+    import edgeinfer
+
+    if args.grammar is not None:
+        return {"grammar": _read_text_file(args.grammar, "--grammar", args.encoding_errors)}
+    if args.json_schema is None:
+        return {}
+    spec = argument_text(args.json_schema, "--json-schema", args.encoding_errors)
+    if spec.lstrip().startswith(("{", "[")) or spec.strip() in ("true", "false"):
+        return {"json_schema": spec}
+    if not os.path.isfile(spec):
+        raise edgeinfer.InvalidOptionError(f"--json-schema: no such file {spec!r} (and not inline JSON)")
+    return {"json_schema": _read_text_file(spec, "--json-schema", args.encoding_errors)}
+
+
+def _read_text_file(path: str, what: str, errors: str) -> str:
+    import edgeinfer
+    from edgeinfer.engine.grammar import MAX_GBNF_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_GBNF_BYTES + 1)
+    except OSError as e:
+        raise edgeinfer.InvalidOptionError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    if len(raw) > MAX_GBNF_BYTES:
+        raise edgeinfer.InvalidOptionError(f"{what}: {path} is larger than {MAX_GBNF_BYTES} bytes")
+    return decode_bytes(raw, f"{what} file {path}", errors)
+
+
 def run(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -182,9 +222,13 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             min_p=args.min_p,
             repeat_penalty=args.repeat_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repeat_last_n=args.repeat_last_n,
             seed=args.seed,
         ),
         speculation=speculation,
+        **_constraint(args),
     ).validate()
     load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv_options(args)).validate()
     with edgeinfer.load(model, load) as engine:
