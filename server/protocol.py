@@ -1,7 +1,7 @@
 """The OpenAI request and response shapes, translated to and from edgeinfer's public types.
 
 Parsing is strict: a field we cannot honour is a 400 that names it, never silently ignored
-(response_format json_schema, tools, n > 1, echo, suffix, penalties we do not implement).
+(response_format json_schema, tools, n > 1, echo, suffix, logit_bias).
 """
 
 from __future__ import annotations
@@ -67,10 +67,6 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     _integer(body, "n", 1, 1)  # one choice per request
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _number(body, name, -2.0, 2.0)
-        if v:
-            raise _bad(f"'{name}' is not supported (use the extra field 'repeat_penalty')", name)
     if body.get("logit_bias"):
         raise _bad("'logit_bias' is not supported", "logit_bias")
     if body.get("tools") or body.get("functions"):
@@ -99,7 +95,8 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
 
     sampling: dict[str, Any] = {}
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
-                         ("repeat_penalty", 0.0, 10.0)):
+                         ("repeat_penalty", 0.0, 10.0), ("presence_penalty", -2.0, 2.0),
+                         ("frequency_penalty", -2.0, 2.0)):
         v = _number(body, name, lo, hi)
         if v is not None:
             sampling[name] = v
@@ -108,11 +105,9 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
     top_k = _integer(body, "top_k", 0, 1 << 20)
     if top_k is not None:
         sampling["top_k"] = top_k
-    seed = body.get("seed")
+    seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise _bad("'seed' must be an integer", "seed")
-        sampling["seed"] = seed % (1 << 32)
+        sampling["seed"] = seed  # as given: SamplingOptions maps OpenAI's int64 range to llama.cpp's seed
 
     spec = body.get("speculation", default_speculation)
     if isinstance(spec, str):
