@@ -4,39 +4,187 @@ Each request is tokenized in a worker thread, queued on the engine, and its even
 without blocking the event loop (the engine's scheduler thread calls back, the handler drains
 with `poll()`). A client that disconnects — streaming or not, running or still queued — cancels
 its request at once, which frees its slot at the engine's next step. A slow reader only fills its
-own bounded event buffer (the engine pauses that request), never the others'.
+own bounded event buffer (the engine pauses that request), never the others'; one that reads
+nothing for --stall-timeout is disconnected (server/connection.py), which cancels it.
+
+At most `parallel + max_queue` generation requests are in flight; one more gets 503 with
+Retry-After. Every request leaves one access-log line (logger `edgeinfer_server.access`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import edgeinfer
 
 from . import metrics as prom
+from .browser import BrowserGuard
 from .config import ServerConfig, check_credentials
+from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
-from .protocol import ParsedRequest, Responder, parse_chat, parse_completion
+from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("edgeinfer_server.access")
+
+MAX_JSON_DEPTH = 64  # objects and arrays inside each other (a json_schema rarely needs 20)
+CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+# -- the request body --------------------------------------------------------------------------
+
+
+def check_json(value: Any) -> None:
+    """Refuse what json.loads accepts but nothing downstream can use: text with lone surrogates
+    ("\\ud800" is valid JSON but not Unicode: it cannot be encoded for the tokenizer), and
+    nesting deeper than MAX_JSON_DEPTH. Iterative, so no depth can overflow the stack."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        v, depth, path = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, path)
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                               code="invalid_json")
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    where = f"{path}.{k}" if path else k
+                    _check_text(k, where)
+                    stack.append((item, depth + 1, where))
+            else:
+                stack.extend((item, depth + 1, f"{path}[{i}]") for i, item in enumerate(v))
+
+
+def _check_text(s: str, where: str) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        shown = where[:80] or "the body"
+        raise APIError(400, f"{shown} contains a lone surrogate (U+{ord(s[e.start]):04X}): "
+                       "text must be valid Unicode", code="invalid_json",
+                       param=where.split(".")[0].split("[")[0] or None) from None
+
+
+def _media_type(value: str) -> str:
+    return value.split(";", 1)[0].strip().lower()
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+class _EventStream(Response):
+    """Server-sent events from an async iterator of `data: ...` strings. `on_close` runs however
+    the response ends (finished, cancelled, or never started because the client was gone)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+        self.chunks = chunks
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async with contextlib.aclosing(self.chunks) as chunks:  # type: ignore[type-var]
+                async for chunk in chunks:
+                    # a client gone makes this return at once (uvicorn drops the bytes); the
+                    # disconnect watcher has cancelled the request, so the events end soon
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.on_close()
+
+
+# -- the access log ----------------------------------------------------------------------------
+
+
+class _Access:
+    """What one request's access-log line says; the generation handlers add the stats."""
+
+    __slots__ = ("status", "stats", "finish")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.stats: edgeinfer.GenerationStats | None = None
+        self.finish: str | None = None
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A path as one token of a log line: spaces, control and invisible characters escaped."""
+    out = "".join(c if c.isprintable() and c != " " else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                  for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
+
+
+def access_line(scope: Scope, record: _Access, seconds: float) -> str:
+    """`127.0.0.1:51234 POST /v1/chat/completions 200 stop prompt=25 completion=32 ttft=0.151s 48.3 tok/s 0.81s`"""
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    parts = [who, scope.get("method", "-"), _printable(scope.get("path", "")), str(record.status or CLIENT_GONE)]
+    s = record.stats
+    if s is not None:
+        parts += [record.finish or "-", f"prompt={s.prompt_tokens}", f"completion={s.generated_tokens}",
+                  f"ttft={s.ttft_s:.3f}s", f"{s.decode_tok_s:.1f} tok/s"]
+    parts.append(f"{seconds:.3f}s")
+    return " ".join(parts)
+
+
+class _AccessLog:
+    """ASGI middleware: one line per request when it has ended (a stream: when its last event
+    was sent), so that a line carries the request's tokens, time to first token and speed."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = _Access()
+        scope["edgeinfer.access"] = record
+        started = time.perf_counter()
+
+        async def send_and_note(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            access_log.info("%s", access_line(scope, record, time.perf_counter() - started))
+
+
+def _note(request: Request, done: edgeinfer.DoneEvent) -> None:
+    record = request.scope.get("edgeinfer.access")
+    if record is not None:
+        record.stats = done.stats
+        record.finish = finish_reason(done.finish_reason)
+
+
+# -- the service -------------------------------------------------------------------------------
 
 
 class _Service:
@@ -47,6 +195,7 @@ class _Service:
         self.config = config
         self.http = prom.HttpCounters()
         self.started = int(time.time())
+        self.in_flight = 0  # generation requests admitted and not yet over (event loop only)
         path = engine.path
         self.names = {engine.name, path.name, path.stem}
         if ":" in engine.name:
@@ -55,22 +204,34 @@ class _Service:
     # -- plumbing --------------------------------------------------------------------------------
     @property
     def max_tokens_limit(self) -> int:
-        return self.config.max_tokens_limit or self.engine.n_ctx
+        return self.config.max_tokens_limit or self.engine.n_ctx_per_request
 
     async def read_json(self, request: Request) -> Any:
+        ctype = request.headers.get("content-type", "")
+        if _media_type(ctype) != "application/json":
+            # A web page can POST text/plain, form or multipart bodies anywhere without asking;
+            # application/json needs a CORS preflight first, which BrowserGuard answers.
+            got = f"Content-Type {ctype[:60]!r}" if ctype else "no Content-Type"
+            raise APIError(415, f"the request body must be JSON sent with Content-Type: application/json (got {got})",
+                           code="unsupported_media_type")
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         body = bytearray()
-        async for chunk in request.stream():
+        async for chunk in request.stream():  # ClientDisconnect: handled by the endpoint wrapper
             body += chunk
             if len(body) > limit:
                 raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         try:
-            return json.loads(body)
+            value = json.loads(body)
+        except RecursionError:
+            raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        check_json(value)
+        return value
 
     def check_model(self, model: str | None) -> None:
         if model is None or model in self.names:
@@ -82,10 +243,30 @@ class _Service:
         raise APIError(404, f"the model {model!r} does not exist (this server serves {self.engine.name!r})",
                        code="model_not_found", param="model")
 
+    def admit(self) -> Callable[[], None]:
+        """Count one more generation request in flight, or refuse it with 503 when the queue is
+        full; returns the (idempotent) release."""
+        running = self.engine.parallel
+        if self.in_flight >= running + self.config.max_queue:
+            raise APIError(503, f"the server is busy: {running} requests running and {self.config.max_queue} "
+                           "waiting (--max-queue); retry later", type="server_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        return release
+
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, request: Request, parsed: ParsedRequest) -> Response:
         self.check_model(parsed.model)
         engine = self.engine
+        release = self.admit()
         try:
             if parsed.kind == "chat":
                 tokens = await run_in_threadpool(engine.chat_tokens, list(parsed.messages))
@@ -98,13 +279,20 @@ class _Service:
             gen = engine.submit(tokens, parsed.options, logprobs=parsed.logprobs,
                                 notify=lambda: loop.call_soon_threadsafe(wake.set))
         except edgeinfer.EdgeInferError as e:
+            release()
             if engine.closed:
                 raise APIError(503, "the server is shutting down", type="server_error", code="unavailable") from None
             raise from_library_error(e) from None
+        except BaseException:
+            release()
+            raise
         responder = Responder(parsed, engine.name, engine.token_bytes)
         if parsed.stream:
-            return StreamingResponse(self._stream(request, gen, wake, responder), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            def close() -> None:
+                gen.close()  # a client gone mid-stream cancels the request: its slot is free at the next step
+                release()
+
+            return _EventStream(self._stream(request, gen, wake, responder), close)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
         try:
             tokens_seen: list[edgeinfer.TokenEvent] = []
@@ -120,7 +308,9 @@ class _Service:
         finally:
             watcher.cancel()
             gen.close()
+            release()
         assert done is not None
+        _note(request, done)
         return JSONResponse(responder.complete(tokens_seen, done))
 
     async def _stream(self, request: Request, gen, wake: asyncio.Event, responder: Responder) -> AsyncIterator[str]:
@@ -140,6 +330,7 @@ class _Service:
                         yield _sse(chunk)
                 done = next((e for e in batch if isinstance(e, edgeinfer.DoneEvent)), None)
                 if done is not None:
+                    _note(request, done)
                     for chunk in responder.last_chunks(done):
                         yield _sse(chunk)
                     yield "data: [DONE]\n\n"
@@ -147,7 +338,6 @@ class _Service:
             yield _sse(APIError(500, str(e), type="server_error").body())
         finally:
             watcher.cancel()
-            gen.close()  # a client gone mid-stream cancels the request: its slot is free at the next step
 
     # -- routes ----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -162,7 +352,8 @@ class _Service:
     async def models(self, request: Request) -> Response:
         engine = self.engine
         data = [{"id": engine.name, "object": "model", "created": self.started, "owned_by": "edgeinfer",
-                 "edgeinfer": {"loaded": True, "parallel": engine.parallel, "n_ctx_per_request": engine.n_ctx}}]
+                 "edgeinfer": {"loaded": True, "parallel": engine.parallel,
+                               "n_ctx_per_request": engine.n_ctx_per_request}}]
         for m in await run_in_threadpool(engine.store.list):
             if m.ref != engine.name:
                 data.append({"id": m.ref, "object": "model", "created": self.started, "owned_by": "edgeinfer",
@@ -170,6 +361,9 @@ class _Service:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
+        # Liveness for anyone (load balancers, probes); the rest only with the key, when there is one.
+        if not check_credentials(self.config, request.headers.get("authorization")):
+            return JSONResponse({"status": "ok"})
         m = self.engine.metrics()
         return JSONResponse({"status": "ok", "model": self.engine.name, "slots_busy": m.active,
                              "slots": self.engine.parallel, "queue_depth": m.queue_depth})
@@ -223,10 +417,13 @@ def create_app(engine: edgeinfer.BatchEngine, config: ServerConfig | None = None
                                    code="invalid_api_key")
                 response = await handler(request)
             except APIError as e:
-                response = _error_response(e)
+                response = e.response()
+            except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing went wrong
+                log.debug("%s: the client disconnected before its request body was complete", name)
+                response = Response(status_code=CLIENT_GONE)
             except Exception:  # the server keeps serving; the client gets a 500 object
                 log.exception("%s failed", name)
-                response = _error_response(APIError(500, "internal server error", type="server_error"))
+                response = APIError(500, "internal server error", type="server_error").response()
             service.http.count(name, response.status_code)
             return response
 
@@ -235,6 +432,8 @@ def create_app(engine: edgeinfer.BatchEngine, config: ServerConfig | None = None
     routes = [
         Route("/v1/chat/completions", endpoint("chat_completions", service.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", service.completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint("embeddings", lambda request: handle_embeddings(service, request)),
+              methods=["POST"]),
         Route("/v1/models", endpoint("models", service.models), methods=["GET"]),
         Route("/health", endpoint("health", service.health), methods=["GET"]),
         Route("/metrics", endpoint("metrics", service.metrics), methods=["GET"]),
@@ -242,7 +441,8 @@ def create_app(engine: edgeinfer.BatchEngine, config: ServerConfig | None = None
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
-        return _error_response(APIError(status, f"no route {request.method} {request.url.path}",
-                                        code="not_found" if status == 404 else "method_not_allowed"))
+        return APIError(status, f"no route {request.method} {request.url.path}",
+                        code="not_found" if status == 404 else "method_not_allowed").response()
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
+                     middleware=[Middleware(_AccessLog), Middleware(BrowserGuard, config=config)])

@@ -1,14 +1,17 @@
-"""What a server is allowed to do: where it listens, who may call it, how big a request may be."""
+"""What a server is allowed to do: where it listens, who may call it (API key, Host names, browser
+origins), how big a request may be, how long a client may take, how many may wait."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import edgeinfer
 
-__all__ = ["ServerConfig", "is_loopback", "check_credentials"]
+__all__ = ["ServerConfig", "is_loopback", "check_credentials", "host_allowed", "normalize_origin"]
 
 
 def is_loopback(host: str) -> bool:
@@ -21,6 +24,30 @@ def is_loopback(host: str) -> bool:
         return False  # a host name or 0.0.0.0-like wildcard: reachable from elsewhere
 
 
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header without its port, lower case, without a trailing dot
+    ("[::1]:8080" -> "::1", "LocalHost.:80" -> "localhost")."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    name, sep, port = h.rpartition(":")
+    if sep and port.isdigit() and ":" not in name:
+        h = name
+    return h.rstrip(".")
+
+
+def normalize_origin(origin: str) -> str:
+    return origin.strip().lower().rstrip("/")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -29,14 +56,29 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # 1 MiB of JSON is far more than any context holds
     max_tokens_limit: int | None = None  # None: the per-request context
     default_speculation: str = "off"  # off | lookup | auto
-    shutdown_grace_s: float = 5.0  # Ctrl-C: running requests may finish for this long
+    shutdown_grace_s: float = 5.0  # Ctrl-C / SIGTERM: running requests may finish for this long
     keepalive_s: float = 15.0  # SSE comment lines while a stream waits (queued requests)
+    # Browsers. Host names accepted besides localhost, *.localhost, IP addresses and `host`
+    # ("*": any; ".example.org": that domain and its subdomains): DNS rebinding protection.
+    allowed_hosts: tuple[str, ...] = ()
+    # Origins (scheme://host[:port], "null", or "*") whose pages may call the API cross-origin;
+    # any other cross-origin request is refused (CSRF protection).
+    cors_origins: tuple[str, ...] = ()
+    # Backpressure and timeouts.
+    max_queue: int = 32  # requests waiting for a slot beyond the running ones; then 503
+    max_connections: int = 128  # open connections; a request on one more gets 503
+    header_timeout_s: float = 10.0  # a request's head must arrive within this of its first byte
+    body_timeout_s: float = 30.0  # ... and its body within this of its head
+    stall_timeout_s: float = 30.0  # a client that reads none of its response for this long is dropped
 
     def validate(self) -> ServerConfig:
         if not is_loopback(self.host) and not self.api_key:
             raise edgeinfer.InvalidOptionError(
-                f"refusing to listen on {self.host} without --api-key: anyone who can reach it could use it"
+                f"refusing to listen on {self.host} without an API key (--api-key-file FILE or EDGEINFER_API_KEY): "
+                "anyone who can reach it could use it"
             )
+        if self.api_key is not None and (not self.api_key or any(c.isspace() for c in self.api_key)):
+            raise edgeinfer.InvalidOptionError("an API key must be non-empty and contain no whitespace")
         if not 0 <= self.port < 65536:
             raise edgeinfer.InvalidOptionError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -47,7 +89,54 @@ class ServerConfig:
             raise edgeinfer.InvalidOptionError(
                 f"the server speculates with off, lookup or auto, not {self.default_speculation!r}"
             )
+        if self.max_queue < 0:
+            raise edgeinfer.InvalidOptionError(f"max_queue must be at least 0, got {self.max_queue}")
+        if self.max_connections < 1:
+            raise edgeinfer.InvalidOptionError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("shutdown_grace_s", "keepalive_s", "header_timeout_s", "body_timeout_s", "stall_timeout_s"):
+            v = getattr(self, name)
+            zero_ok = name == "shutdown_grace_s"
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not (v >= 0 if zero_ok else v > 0):
+                raise edgeinfer.InvalidOptionError(
+                    f"{name} must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}, got {v!r}")
+        for h in self.allowed_hosts:
+            if not h or h != h.strip() or "/" in h or any(c.isspace() for c in h):
+                raise edgeinfer.InvalidOptionError(
+                    f"allowed host {h!r} is not a host name (give names like example.org or .example.org, or *)")
+        for o in self.cors_origins:
+            if o in ("*", "null"):
+                continue
+            parts = urlsplit(o)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/") \
+                    or parts.query or parts.fragment:
+                raise edgeinfer.InvalidOptionError(
+                    f"CORS origin {o!r} is not an origin (give scheme://host[:port], e.g. http://localhost:3000, or *)")
         return self
+
+    # -- browsers --------------------------------------------------------------------------------
+    def origin_allowed(self, origin: str) -> bool:
+        """Whether a cross-origin page at `origin` may call the API."""
+        allowed = {normalize_origin(o) for o in self.cors_origins}
+        return "*" in allowed or normalize_origin(origin) in allowed
+
+
+def host_allowed(config: ServerConfig, header: str | None) -> bool:
+    """Whether a request's Host header may be answered. A page that rebinds its own DNS name to
+    this machine sends that name as Host; an IP address or a localhost name cannot be rebound
+    (browsers resolve *.localhost to loopback themselves), so only other names need listing."""
+    if header is None:
+        return True  # HTTP/1.0 without Host: not a browser
+    name = host_name(header)
+    if _is_ip(name) or name == "localhost" or name.endswith(".localhost"):
+        return True
+    if name == host_name(config.host):
+        return True
+    for allowed in config.allowed_hosts:
+        a = allowed.lower().rstrip(".")
+        if a == "*" or name == a or (a.startswith(".") and (name.endswith(a) or name == a[1:])):
+            return True
+    return False
 
 
 def check_credentials(config: ServerConfig, authorization: str | None) -> bool:

@@ -1,16 +1,23 @@
-"""Running the app under uvicorn with a clean Ctrl-C.
+"""Running the app under uvicorn: the port taken first, a clean Ctrl-C or SIGTERM.
 
-On the first Ctrl-C (or SIGTERM) uvicorn stops accepting connections and lets running responses
+`bind()` takes the port before anything slow happens (the CLI calls it before loading the model),
+so a port in use is one line, not a loaded model followed by uvicorn's own error and exit 3.
+
+On the first Ctrl-C or SIGTERM uvicorn stops accepting connections and lets running responses
 finish; after `shutdown_grace_s` the engine cancels whatever still runs, so every open stream ends
-with a final chunk whose finish_reason is "cancelled" rather than a cut connection. A second
-Ctrl-C exits at once.
+with a final chunk whose finish_reason is "cancelled" rather than a cut connection. `serve` then
+returns (the signal is not raised again: SIGTERM would kill the process before the caller closes
+the engine). A second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -18,10 +25,40 @@ import edgeinfer
 
 from .app import create_app
 from .config import ServerConfig
+from .connection import protocol_for
 
-__all__ = ["serve"]
+__all__ = ["serve", "bind", "ListenError"]
 
 log = logging.getLogger(__name__)
+
+_BACKLOG = 2048  # uvicorn's default
+
+
+class ListenError(edgeinfer.EdgeInferError, OSError):
+    """The address or port cannot be listened on."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (port 0: a free one)."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ListenError(f"cannot listen on {where}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(_BACKLOG)
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: " (another program listens there: pick another --port, or 0 for a free one)",
+                errno.EACCES: " (ports below 1024 need privileges: pick another --port)",
+                errno.EADDRNOTAVAIL: " (no interface of this machine has that address: check --host)"}.get(e.errno, "")
+        raise ListenError(f"cannot listen on {where}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -35,7 +72,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and self._on_ready is not None and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            self._on_ready(f"http://{host}:{port}/v1")
+            self._on_ready(f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1")
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
         if not self._exit_started:
@@ -43,20 +80,34 @@ class _Server(uvicorn.Server):
             self._on_exit()
         super().handle_exit(sig, frame)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn raises a handled signal again once it has shut down, so that SIGTERM kills the
+        # process (exit 143) before the caller can close the engine; the shutdown is done.
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
-def serve(engine: edgeinfer.BatchEngine, config: ServerConfig, *, on_ready: Callable[[str], None] | None = None,
-          log_level: str = "warning") -> None:
-    """Serve until Ctrl-C; the engine stays the caller's to close. `on_ready` gets the base URL
-    (with the real port when config.port is 0)."""
+
+def serve(engine: edgeinfer.BatchEngine, config: ServerConfig, *, sock: socket.socket | None = None,
+          on_ready: Callable[[str], None] | None = None, log_level: str = "warning") -> None:
+    """Serve until Ctrl-C or SIGTERM; the engine stays the caller's to close. `sock`: a socket
+    from `bind()` (default: bound here). `on_ready` gets the base URL (with the real port when
+    config.port is 0)."""
     config = config.validate()
     app = create_app(engine, config)
+    if sock is None:
+        sock = bind(config.host, config.port)
     grace = config.shutdown_grace_s
     timer = threading.Timer(grace, engine.cancel_all)
     timer.daemon = True
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol_for(config),
                                timeout_graceful_shutdown=int(grace) + 5, lifespan="off")
     server = _Server(uv_config, timer.start, on_ready)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         timer.cancel()
+        sock.close()

@@ -157,7 +157,7 @@ def test_app_enforces_the_key_for_a_public_host(f16_path):  # noqa: F811
     engine = edgeinfer.BatchEngine.load(f16_path, batch=edgeinfer.BatchOptions(parallel=1), n_ctx=1024)
     try:
         app = create_app(engine, ServerConfig(host="0.0.0.0", api_key="s3cret"))
-        with TestClient(app) as http:
+        with TestClient(app, base_url="http://127.0.0.1") as http:  # (TestClient's "testserver" is no allowed Host)
             body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
