@@ -20,6 +20,8 @@ __all__ = ["probe", "main"]
 # Bytes beyond ASCII and a newline: byte-fallback and pre-tokenizer paths are exercised too.
 _TEXT = "Hello, world!\nÜber 東京 ✓ 123"
 _MAX_TOKENS = 16
+# Drafters whose weights alone cannot run (llama.cpp reads the target's embeddings and head)
+_DRAFTERS = (b"eagle3",)
 
 
 def _llama():
@@ -40,7 +42,12 @@ def probe(path: str) -> None:
         sys.stderr.write(text.decode("utf-8", errors="replace"))
 
     ll.llama_log_set(on_log, ctypes.c_void_p(0))
+    # On the host alone, whatever the parent's placement (edgeinfer.devices): the verdict is about
+    # the file and is remembered per file, not per placement; a GPU would hold a second copy of the
+    # weights for nothing, and an RPC worker would receive them twice over the network and could be
+    # aborted by a bad file (this child exists so that only it dies).
     mparams = ll.llama_model_default_params()
+    assert "n_gpu_layers" in {f[0] for f in type(mparams)._fields_}
     mparams.n_gpu_layers = 0
     model = ll.llama_model_load_from_file(path.encode(), mparams)
     if not model:
@@ -48,6 +55,10 @@ def probe(path: str) -> None:
     try:
         vocab = ll.llama_model_get_vocab(model)
         n_vocab = ll.llama_vocab_n_tokens(vocab)
+        arch = ctypes.create_string_buffer(64)
+        ll.llama_model_meta_val_str(model, b"general.architecture", arch, len(arch))
+        if arch.value in _DRAFTERS:
+            return  # loaded; its context needs the target's (ctx_other), which a probe does not have
         n_ctx = max(1, min(64, ll.llama_model_n_ctx_train(model)))
         cparams = ll.llama_context_default_params()
         cparams.n_ctx = n_ctx

@@ -5,8 +5,8 @@
 NaN `rms_epsilon`, two vocabulary entries with the same text, `tokenizer.ggml.model = "none"`, an
 F16 norm. `check_semantics` refuses those with one line naming the key or tensor. The rules mirror
 the vendored llama.cpp (llama-model.cpp `load_hparams`, llama-vocab.cpp `load`, the per-arch
-`load_arch_tensors` of llama/qwen2/qwen3); for architectures we do not convert only the generic
-checks apply.
+`load_arch_tensors` of llama/qwen2/qwen3, models/qwen35.cpp and models/eagle3.cpp); for
+architectures we do not convert only the generic checks apply.
 
 No list of rules is complete, so a file never loaded before is first loaded by llama.cpp in a
 child process (`probe_load`, running the script `edgeinfer/load_probe.py`): an abort there becomes
@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from .errors import InvalidModelError
 from .fsutil import sha256_file
@@ -79,6 +81,17 @@ _LAYER_TENSORS = {
     "qwen2": ("attn_norm", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"),
     "qwen3": ("attn_norm", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "attn_q_norm", "attn_k_norm"),
 }
+# qwen35 (hybrid): what every layer has, then its token mixer's tensors; the MTP block's extras.
+_QWEN35_COMMON = ("attn_norm", "post_attention_norm", "ffn_gate", "ffn_up", "ffn_down")
+_QWEN35_ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm")
+_QWEN35_RECURRENT = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
+                     "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight")
+_QWEN35_NEXTN = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm")
+_QWEN35_SSM_KEYS = ("conv_kernel", "inner_size", "state_size", "time_step_rank", "group_count")
+_EAGLE3_LAYER = ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                 "ffn_gate", "ffn_up", "ffn_down")
+# Architectures whose semantics are checked here (the others: the generic checks only).
+_CHECKED = (*_LAYER_TENSORS, "qwen35", "eagle3")
 _DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
 _MOE_FFN = ("ffn_gate_inp", "ffn_up_exps", "ffn_down_exps")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -224,7 +237,7 @@ def _check_hyperparameters(info: GGUFInfo) -> int:
         eps = _float(info, p + key)
         if eps is not None and not eps > 0:
             raise _fail(info, f"{p}{key} is {eps}; it must be a positive number")
-    if arch in _LAYER_TENSORS and p + "attention.layer_norm_rms_epsilon" not in info.metadata:
+    if arch in _CHECKED and p + "attention.layer_norm_rms_epsilon" not in info.metadata:
         raise _fail(info, f"{p}attention.layer_norm_rms_epsilon is missing")
     base = _float(info, p + "rope.freq_base")
     if base is not None and not base > 0:
@@ -239,7 +252,7 @@ def _check_hyperparameters(info: GGUFInfo) -> int:
         values = _per_layer(info, p + key, n_layer) if key == "feed_forward_length" else _ints_of(info, p + key)
         if values and any(not 0 <= v <= _MAX_EMBEDDING * 64 for v in values):
             raise _fail(info, f"{p}{key} is out of range")
-    if arch in _LAYER_TENSORS:
+    if arch in _CHECKED:
         _check_heads(info, p, n_embd, heads, heads_kv)
     return n_layer
 
@@ -388,12 +401,17 @@ def _check_special_tokens(info: GGUFInfo, model: str, pre: Any, n_vocab: int) ->
 def _check_tensors(info: GGUFInfo, n_layer: int, n_vocab: int) -> None:
     by_name = {t.name: t for t in info.tensors}
     for t in info.tensors:
-        if (len(t.shape) == 1 or t.name.endswith("norm.weight")) and t.type_name != "F32":
+        if t.name == "d2t" and t.type_name == "I64":
+            pass  # a drafter's draft-to-target id table (checked with its architecture)
+        elif (len(t.shape) == 1 or t.name.endswith("norm.weight")) and t.type_name != "F32":
             raise _fail(info, f"tensor {t.name!r} is {t.type_name}; norms and 1-D tensors must be F32")
         m = _BLOCK_RE.match(t.name)
         if m and int(m.group(1)) >= n_layer:
             raise _fail(info, f"tensor {t.name!r} belongs to a layer past block_count ({n_layer})")
     arch = info.architecture
+    if arch in ("qwen35", "eagle3") and _split_count(info) == 1:
+        (_check_qwen35 if arch == "qwen35" else _check_eagle3)(info, by_name, n_layer, n_vocab)
+        return
     if arch not in _LAYER_TENSORS or _split_count(info) > 1:
         # an architecture we do not convert, or one part of a split file (the tensors are spread
         # over the parts): llama.cpp's own checks of shapes and counts apply
@@ -424,6 +442,109 @@ def _check_tensors(info: GGUFInfo, n_layer: int, n_vocab: int) -> None:
         norm = by_name[f"blk.{i}.attn_norm.weight"]
         if norm.shape != (n_embd,):
             raise _fail(info, f"tensor {norm.name!r} has shape {list(norm.shape)}, expected [{n_embd}]")
+
+
+def _check_shape(info: GGUFInfo, by_name: dict[str, Any], name: str, shape: tuple[int, ...] | None,
+                 required: bool = True) -> Any:
+    t = by_name.get(name)
+    if t is None:
+        if required:
+            raise _fail(info, f"tensor {name!r} is missing")
+        return None
+    if shape is not None and t.shape != shape:
+        raise _fail(info, f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def _check_qwen35(info: GGUFInfo, by_name: dict[str, Any], n_layer: int, n_vocab: int) -> None:
+    """Hybrid Gated DeltaNet / attention layers and the MTP block (models/qwen35.cpp): what its
+    graph asserts on (head sizes, value heads per key head, an F32 conv kernel) and the tensors
+    each layer's type needs."""
+    p = "qwen35."
+    n_embd = info.metadata[p + "embedding_length"]
+    ssm = {}
+    for key in _QWEN35_SSM_KEYS:
+        value = _int(info, f"{p}ssm.{key}", required=True)
+        if not 0 < value <= _MAX_EMBEDDING:
+            raise _fail(info, f"{p}ssm.{key} is {value}; it must be positive")
+        ssm[key] = value
+    if ssm["time_step_rank"] % ssm["group_count"]:
+        raise _fail(info, f"{p}ssm.time_step_rank {ssm['time_step_rank']} is not a multiple of {p}ssm.group_count {ssm['group_count']}")
+    if ssm["inner_size"] != ssm["state_size"] * ssm["time_step_rank"]:
+        raise _fail(info, f"{p}ssm.inner_size {ssm['inner_size']} is not state_size x time_step_rank")
+    k_len, v_len = _int(info, p + "attention.key_length"), _int(info, p + "attention.value_length")
+    if k_len is not None and v_len is not None and k_len != v_len:
+        raise _fail(info, f"{p}attention.key_length {k_len} != {p}attention.value_length {v_len}")
+    sections = _ints(info.metadata.get(p + "rope.dimension_sections"))
+    if sections is None or not isinstance(info.metadata.get(p + "rope.dimension_sections"), list) or len(sections) != 4:
+        raise _fail(info, f"{p}rope.dimension_sections must be 4 integers")
+    nextn = _int(info, p + "nextn_predict_layers") or 0
+    trunk = n_layer - nextn
+    if trunk < 1:
+        raise _fail(info, f"{p}nextn_predict_layers {nextn} leaves no layers of the model itself")
+    flags = info.metadata.get(p + "attention.recurrent_layers")
+    if flags is not None:
+        if not isinstance(flags, list) or len(flags) != n_layer:
+            raise _fail(info, f"{p}attention.recurrent_layers must have one entry per layer ({n_layer})")
+        recurrent = [bool(f) for f in flags]
+    else:
+        interval = _int(info, p + "full_attention_interval") or 4
+        if interval <= 0:
+            raise _fail(info, f"{p}full_attention_interval must be positive")
+        recurrent = [i < trunk and (i + 1) % interval != 0 for i in range(n_layer)]
+    _check_shape(info, by_name, "token_embd.weight", (n_embd, n_vocab))
+    _check_shape(info, by_name, "output_norm.weight", (n_embd,))
+    _check_shape(info, by_name, "output.weight", (n_embd, n_vocab), required=False)
+    conv_dim = 2 * ssm["group_count"] * ssm["state_size"] + ssm["inner_size"]
+    for i in range(n_layer):
+        for role in _QWEN35_COMMON:
+            _check_shape(info, by_name, f"blk.{i}.{role}.weight", (n_embd,) if role.endswith("norm") else None)
+        if recurrent[i]:
+            for name in _QWEN35_RECURRENT:
+                _check_shape(info, by_name, f"blk.{i}.{name}", None)
+            conv = _check_shape(info, by_name, f"blk.{i}.ssm_conv1d.weight", (ssm["conv_kernel"], conv_dim))
+            if conv.type_name != "F32":  # ggml_ssm_conv asserts on anything else
+                raise _fail(info, f"tensor {conv.name!r} is {conv.type_name}; the conv kernel must be F32")
+        else:
+            for role in _QWEN35_ATTENTION:
+                _check_shape(info, by_name, f"blk.{i}.{role}.weight", None)
+        if i >= trunk:
+            for role in _QWEN35_NEXTN:
+                _check_shape(info, by_name, f"blk.{i}.{role}.weight", None)
+
+
+def _check_eagle3(info: GGUFInfo, by_name: dict[str, Any], n_layer: int, n_vocab: int) -> None:
+    """An EAGLE-3 drafter (models/eagle3.cpp): one layer (its graph asserts it), three target
+    layers of a stated width, and a d2t table whose ids the graph writes logits at unchecked."""
+    p = "eagle3."
+    n_embd = info.metadata[p + "embedding_length"]
+    if n_layer != 1:
+        raise _fail(info, f"{p}block_count is {n_layer}; an EAGLE-3 drafter has 1 layer")
+    layers = info.metadata.get(p + "target_layers")
+    ids = _ints(layers)
+    if not isinstance(layers, list) or ids is None or len(ids) != 3 or len(layers) != 3 or min(ids) < 0:
+        raise _fail(info, f"{p}target_layers must be 3 layer indices")
+    tgt = _int(info, p + "target_hidden_size", required=True)
+    if not 0 < tgt <= _MAX_EMBEDDING:
+        raise _fail(info, f"{p}target_hidden_size is {tgt}; it must be positive")
+    _check_shape(info, by_name, "fc.weight", (3 * tgt, n_embd))
+    _check_shape(info, by_name, "output_norm.weight", (n_embd,))
+    _check_shape(info, by_name, "token_embd.weight", (n_embd, n_vocab), required=False)
+    if info.metadata.get(p + "norm_before_fc"):
+        _check_shape(info, by_name, "enc.output_norm.weight", (3 * tgt,))
+    for role in _EAGLE3_LAYER:
+        _check_shape(info, by_name, f"blk.0.{role}.weight", (n_embd,) if role.endswith(("norm", "norm_2")) else None)
+    d2t = by_name.get("d2t")
+    if d2t is None:
+        return
+    if d2t.type_name != "I64" or len(d2t.shape) != 1:
+        raise _fail(info, "tensor 'd2t' must be a 1-D I64 table")
+    _check_shape(info, by_name, "output.weight", (n_embd, d2t.shape[0]))  # the head the ids index
+    table = np.fromfile(info.path, dtype="<i8", count=d2t.shape[0], offset=d2t.offset)
+    if table.size != d2t.shape[0] or table.min() < 0 or table.max() >= n_vocab:
+        raise _fail(info, f"tensor 'd2t' maps draft ids outside the vocabulary (0..{n_vocab - 1})")
+    if np.unique(table).size != table.size:
+        raise _fail(info, "tensor 'd2t' maps two draft ids to the same token")
 
 
 def _split_count(info: GGUFInfo) -> int:

@@ -36,6 +36,9 @@ __all__ = [
     "default_gguf_path",
     "llama_cpp_logits",
     "PRE_TOKENIZERS",
+    "make_random_qwen35_model",
+    "make_random_eagle3_drafter",
+    "copy_with_config",
 ]
 
 _LLAMA3_RE = (
@@ -44,6 +47,10 @@ _LLAMA3_RE = (
 )
 _QWEN2_RE = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
@@ -64,6 +71,7 @@ PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     },
     "llama-bpe": {"type": "Sequence", "pretokenizers": [_split(_LLAMA3_RE), _BYTELEVEL_NOREGEX]},
     "qwen2": {"type": "Sequence", "pretokenizers": [_split(_QWEN2_RE), {**_BYTELEVEL_NOREGEX, "trim_offsets": False}]},
+    "qwen35": {"type": "Sequence", "pretokenizers": [_split(_QWEN35_RE), {**_BYTELEVEL_NOREGEX, "trim_offsets": False}]},
 }
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -198,7 +206,7 @@ def _tokenizer_files(pre: str) -> tuple[str, str, int]:
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
+        "normalizer": {"type": "NFC"} if pre in ("qwen2", "qwen35") else None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
         "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
@@ -468,3 +476,250 @@ def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int | None =
         ll.llama_batch_free(batch)
         ll.llama_free(ctx)
         ll.llama_model_free(model)
+
+
+# -- Qwen3.5 (hybrid Gated DeltaNet + gated attention, with an MTP layer) -------------------------
+def make_random_qwen35_model(
+    folder: Path,
+    *,
+    multimodal: bool = True,
+    hidden: int = 256,
+    layer_types: tuple[str, ...] = ("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+    heads: int = 2,
+    kv_heads: int = 1,
+    head_dim: int = 256,
+    intermediate: int = 512,
+    k_heads: int = 2,
+    v_heads: int = 4,
+    linear_head_dim: int = 64,
+    mtp: bool = True,
+    tied: bool = True,
+    dtype: str = "float32",
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """A tiny random Qwen3.5 checkpoint in the published layout; returns `folder`.
+
+    `multimodal` writes what Qwen/Qwen3.5-0.8B ships (Qwen3_5ForConditionalGeneration: the text
+    settings under text_config, `model.language_model.*` tensors, a stand-in `model.visual.*`
+    tensor, `mtp.*` at the top); otherwise Qwen3_5ForCausalLM (`model.*`). Every norm is stored
+    zero-centred (HF computes x * (1 + w)) except the Gated DeltaNet output norm. More value
+    heads than key heads by default, so the converter's value-head reordering is exercised.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder, "qwen35")
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: int | tuple[int, ...]) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return normal((rows, cols)) * np.float32(gain / math.sqrt(cols))
+
+    def znorm(n: int) -> np.ndarray:  # zero-centred: the model multiplies by 1 + w
+        return np.float32(0.2) * normal(n)
+
+    prefix = "model.language_model." if multimodal else "model."
+    key_dim, value_dim = k_heads * linear_head_dim, v_heads * linear_head_dim
+    conv_dim, conv_k = 2 * key_dim + value_dim, 4
+
+    def attention(p: str) -> dict[str, np.ndarray]:
+        a = p + "self_attn."
+        return {
+            a + "q_proj.weight": mat(2 * heads * head_dim, hidden, 2.0),
+            a + "k_proj.weight": mat(kv_heads * head_dim, hidden, 2.0),
+            a + "v_proj.weight": mat(kv_heads * head_dim, hidden),
+            a + "o_proj.weight": mat(hidden, heads * head_dim),
+            a + "q_norm.weight": znorm(head_dim),
+            a + "k_norm.weight": znorm(head_dim),
+        }
+
+    def mlp_and_norms(p: str) -> dict[str, np.ndarray]:
+        return {
+            p + "input_layernorm.weight": znorm(hidden),
+            p + "post_attention_layernorm.weight": znorm(hidden),
+            p + "mlp.gate_proj.weight": mat(intermediate, hidden),
+            p + "mlp.up_proj.weight": mat(intermediate, hidden),
+            p + "mlp.down_proj.weight": mat(hidden, intermediate),
+        }
+
+    t: dict[str, np.ndarray] = {prefix + "embed_tokens.weight": normal((vocab, hidden))}
+    for i, kind in enumerate(layer_types):
+        p = f"{prefix}layers.{i}."
+        t.update(mlp_and_norms(p))
+        if kind == "full_attention":
+            t.update(attention(p))
+            continue
+        a = p + "linear_attn."
+        t[a + "in_proj_qkv.weight"] = mat(conv_dim, hidden, 2.0)
+        t[a + "in_proj_z.weight"] = mat(value_dim, hidden)
+        t[a + "in_proj_b.weight"] = mat(v_heads, hidden)
+        t[a + "in_proj_a.weight"] = mat(v_heads, hidden)
+        t[a + "conv1d.weight"] = normal((conv_dim, 1, conv_k)) * np.float32(0.5)
+        t[a + "A_log"] = np.log(rng.uniform(0.5, 4.0, v_heads)).astype(np.float32)
+        t[a + "dt_bias"] = np.float32(0.5) * normal(v_heads)
+        t[a + "norm.weight"] = 1.0 + np.float32(0.2) * normal(linear_head_dim)
+        t[a + "out_proj.weight"] = mat(hidden, value_dim)
+    t[prefix + "norm.weight"] = znorm(hidden)
+    if not tied:
+        t["lm_head.weight"] = mat(vocab, hidden, 4.0)
+    if mtp:
+        t["mtp.fc.weight"] = mat(hidden, 2 * hidden)
+        t["mtp.pre_fc_norm_embedding.weight"] = znorm(hidden)
+        t["mtp.pre_fc_norm_hidden.weight"] = znorm(hidden)
+        t["mtp.norm.weight"] = znorm(hidden)
+        t.update(mlp_and_norms("mtp.layers.0."))
+        t.update(attention("mtp.layers.0."))
+    if multimodal:  # a stand-in for the vision tower the converter leaves out
+        t["model.visual.blocks.0.attn.qkv.weight"] = mat(3 * 64, 64)
+    _save_weights(folder, t, dtype, 1)
+
+    v = _default_vocab()
+    text: dict[str, Any] = {
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "hidden_act": "silu",
+        "linear_num_key_heads": k_heads,
+        "linear_num_value_heads": v_heads,
+        "linear_key_head_dim": linear_head_dim,
+        "linear_value_head_dim": linear_head_dim,
+        "linear_conv_kernel_dim": conv_k,
+        "rms_norm_eps": 1e-6,
+        "full_attention_interval": 4,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": tied,
+        "mtp_num_hidden_layers": 1 if mtp else 0,
+        "mtp_use_dedicated_embeddings": False,
+        "layer_types": list(layer_types),
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                            "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "eos_token_id": int(v["eos"]),
+        "dtype": dtype,
+    }
+    if multimodal:
+        config: dict[str, Any] = {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": tied,
+            "text_config": text,
+            "vision_config": {"depth": 1, "hidden_size": 64, "num_heads": 1, "out_hidden_size": hidden},
+        }
+    else:
+        config = {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    config.update(config_overrides or {})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def copy_with_config(folder: Path, dest: Path, change: Any) -> Path:
+    """`dest`: `folder`'s files as symlinks, but config.json passed through `change(config)` (which
+    edits it in place): a hostile variant of a checkpoint without copying its weights."""
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    for f in Path(folder).iterdir():
+        if f.name != "config.json":
+            (dest / f.name).symlink_to(f)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    change(config)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+# -- EAGLE-3 drafters ------------------------------------------------------------------------------
+def make_random_eagle3_drafter(
+    folder: Path,
+    target: Path,
+    *,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+    draft_vocab: int = 4096,
+    aux_layers: list[int] | None = None,
+    own_embeddings: bool = False,
+    seed: int = 1,
+) -> Path:
+    """A tiny random EAGLE-3 drafter for the HF model in `target`, laid out as SpecForge saves them
+    (LlamaForCausalLMEagle3: `midlayer.*`, `fc`, `norm`, `lm_head` over a draft vocabulary,
+    int64 `d2t` offsets and a bool `t2d` mask; no tokenizer: the target's is used). `aux_layers`
+    names the target layers it reads (`eagle_aux_hidden_state_layer_ids`; None: derived from the
+    target's depth, as llama.cpp's converter does)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    vocab, t_hidden = int(tcfg["vocab_size"]), int(tcfg["hidden_size"])
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: int | tuple[int, ...]) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return normal((rows, cols)) * np.float32(gain / math.sqrt(cols))
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + np.float32(0.2) * normal(n)
+
+    head_dim = hidden // heads
+    draft_ids = np.sort(rng.choice(np.arange(17, vocab), size=draft_vocab, replace=False))  # target ids
+    t2d = np.zeros(vocab, dtype=np.uint8)
+    t2d[draft_ids] = 1
+    m = "midlayer."
+    t: dict[str, np.ndarray] = {
+        m + "input_layernorm.weight": norm(hidden),
+        m + "hidden_norm.weight": norm(hidden),
+        m + "self_attn.q_proj.weight": mat(heads * head_dim, 2 * hidden, 2.0),
+        m + "self_attn.k_proj.weight": mat(kv_heads * head_dim, 2 * hidden, 2.0),
+        m + "self_attn.v_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+        m + "self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+        m + "post_attention_layernorm.weight": norm(hidden),
+        m + "mlp.gate_proj.weight": mat(intermediate, hidden),
+        m + "mlp.up_proj.weight": mat(intermediate, hidden),
+        m + "mlp.down_proj.weight": mat(hidden, intermediate),
+        "fc.weight": mat(hidden, 3 * t_hidden),
+        "norm.weight": norm(hidden),
+        "lm_head.weight": mat(draft_vocab, hidden, 4.0),
+    }
+    if own_embeddings:
+        t["embed_tokens.weight"] = normal((vocab, hidden))
+    _save_weights(folder, t, "float32", 1)
+    # the integer tables, in their own file as safetensors allows (I64 and BOOL)
+    d2t = (draft_ids - np.arange(draft_vocab)).astype("<i8")  # stored as offsets from the draft id
+    header: dict[str, Any] = {
+        "d2t": {"dtype": "I64", "shape": [draft_vocab], "data_offsets": [0, d2t.nbytes]},
+        "t2d": {"dtype": "BOOL", "shape": [vocab], "data_offsets": [d2t.nbytes, d2t.nbytes + t2d.nbytes]},
+    }
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(folder / "model-tables.safetensors", "wb") as f:
+        f.write(len(hj).to_bytes(8, "little") + hj + d2t.tobytes() + t2d.tobytes())
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "torch_dtype": "float32",
+    }
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

@@ -30,7 +30,7 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         if spec["dtype"] == "BF16":
             a = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
         else:
-            a = np.frombuffer(buf, {"F32": "<f4", "F16": "<f2"}[spec["dtype"]])
+            a = np.frombuffer(buf, {"F32": "<f4", "F16": "<f2", "I64": "<i8", "BOOL": "u1"}[spec["dtype"]])
         out[name] = a.astype(np.float64).reshape(spec["shape"])
     return out
 
@@ -74,8 +74,10 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def forward_logits(folder: Path, tokens: list[int]) -> np.ndarray:
-    """float64 logits [len(tokens), vocab] of the HF checkpoint in `folder`."""
+def forward_logits(folder: Path, tokens: list[int], layer_inputs: list[np.ndarray] | None = None) -> np.ndarray:
+    """float64 logits [len(tokens), vocab] of the HF checkpoint in `folder`. `layer_inputs`, if
+    given, receives each layer's input [T, hidden] and then the last layer's output (what an
+    EAGLE-3 drafter reads of its target)."""
     config, w = load_hf_weights(folder)
     hidden, n_h = config["hidden_size"], config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads", n_h)
@@ -92,6 +94,8 @@ def forward_logits(folder: Path, tokens: list[int]) -> np.ndarray:
     x = w["model.embed_tokens.weight"][np.asarray(tokens)]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if layer_inputs is not None:
+            layer_inputs.append(x)
         h = _rms_norm(x, w[p + "input_layernorm.weight"], eps)
         q = h @ w[p + "self_attn.q_proj.weight"].T
         k = h @ w[p + "self_attn.k_proj.weight"].T
@@ -120,6 +124,8 @@ def forward_logits(folder: Path, tokens: list[int]) -> np.ndarray:
         g = h @ w[p + "mlp.gate_proj.weight"].T
         u = h @ w[p + "mlp.up_proj.weight"].T
         x = x + ((g / (1 + np.exp(-g))) * u) @ w[p + "mlp.down_proj.weight"].T
+    if layer_inputs is not None:
+        layer_inputs.append(x)
     x = _rms_norm(x, w["model.norm.weight"], eps)
     head = w["lm_head.weight"] if "lm_head.weight" in w and not config.get("tie_word_embeddings") else w["model.embed_tokens.weight"]
     return x @ head.T

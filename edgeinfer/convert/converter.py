@@ -122,6 +122,7 @@ class _Plan:
     permute_heads: int = 0
     quant: QuantizedTensor | None = None  # a quantized checkpoint's layer (instead of source/entry)
     direct: bool = False  # qtype's blocks are packed from quant's integers as they are
+    spec: TensorSpec | None = None  # its row/column/elementwise transforms (qwen35)
 
     @property
     def source_bytes(self) -> int:
@@ -197,13 +198,28 @@ class _TensorStream:
             blocks = p.quant.direct_rows(p.qtype, r0, r1)
             out = _permute_rows(blocks.data, (r1 - r0) // align) if p.permute_heads else blocks.data
             return out, -blocks.max_error, blocks.max_error  # NaN scales show up as a NaN error
-        if p.quant is not None:
+        spec = p.spec if p.spec is not None and p.spec.transformed else None
+        if spec is not None and spec.rows is not None:
+            # A row permutation: read the rows' covering span (kept resident: later blocks may need it)
+            idx = spec.rows[r0:r1]
+            lo, hi = int(idx.min()), int(idx.max()) + 1
+            if p.quant is not None:
+                x = p.quant.rows(lo, hi)[idx - lo]
+            else:
+                assert p.entry is not None and src is not None
+                x = _to_f32(src[lo:hi], p.entry.dtype)[idx - lo]
+        elif p.quant is not None:
             x = p.quant.rows(r0, r1)
         else:
             assert p.source is not None and p.entry is not None and src is not None
             x = _to_f32(src[r0:r1], p.entry.dtype)
             stored_row = src.shape[1] * src.itemsize
             p.source.release(p.entry.begin + r0 * stored_row, p.entry.begin + r1 * stored_row)
+        if spec is not None:
+            if spec.cols is not None:
+                x = x[:, spec.cols]
+            if spec.fn is not None:
+                x = np.ascontiguousarray(spec.fn(x), dtype=np.float32)
         if p.permute_heads:
             x = _permute_rows(x, (r1 - r0) // align)
         # Two SIMD reductions instead of isfinite's temporary: min/max propagate NaN and Inf.
@@ -325,7 +341,7 @@ def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT
                   scheme: QuantScheme | None = None) -> list[_Plan]:
     """One plan per GGUF tensor; `outtype` None means "auto"."""
     specs: dict[str, TensorSpec] = arch.tensor_specs(hp)
-    name_map = gguf.get_tensor_name_map(arch.gguf_arch, hp.layers)
+    name_map: gguf.TensorNameMap | None = None  # made when a spec names no GGUF tensor itself
     quantized, consumed = scheme.tensors(ckpt) if scheme is not None else ({}, set())
     present = {n for n in ckpt.names if n not in consumed} | set(quantized)
     unexpected = sorted(n for n in present if n not in specs and not arch.skip_tensor(n, hp))
@@ -351,17 +367,31 @@ def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT
             raise ConversionError(
                 f"tensor {hf_name} has shape {list(shape)} but config.json implies {list(spec.shape)}"
             )
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = spec.gguf_name
+        if gguf_name is None:
+            if name_map is None:
+                name_map = gguf.get_tensor_name_map(arch.gguf_arch, hp.layers)
+            gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ConversionError(f"internal error: no GGUF name for {hf_name}")
-        qtype, direct = _auto_type(spec.shape, quant) if outtype is None else (_out_type(spec.shape, outtype), False)
+        out_shape = spec.gguf_shape or spec.shape
+        if spec.f32:
+            qtype, direct = QT.F32, False
+        elif outtype is None:  # a transformed layer is dequantized: its blocks cannot be copied
+            qtype, direct = _auto_type(out_shape, None if spec.transformed else quant)
+        else:
+            qtype, direct = _out_type(out_shape, outtype), False
         source = ckpt.where[hf_name] if quant is None else None
         plans.append(
-            _Plan(gguf_name, spec.shape, qtype, _nbytes(spec.shape, qtype), source, entry,
-                  permute_heads=spec.permute_heads, quant=quant, direct=direct)
+            _Plan(gguf_name, out_shape, qtype, _nbytes(out_shape, qtype), source, entry,
+                  permute_heads=spec.permute_heads, quant=quant, direct=direct, spec=spec)
         )
-    for gguf_name, data in arch.extra_tensors(hp).items():
-        plans.append(_Plan(gguf_name, data.shape, QT.F32, data.nbytes, data=data.astype(np.float32)))
+    computed = {**arch.extra_tensors(hp), **arch.checkpoint_tensors(ckpt, hp)}
+    for gguf_name, data in computed.items():
+        if data.dtype == np.int64:  # an id table (eagle3's d2t), kept as integers
+            plans.append(_Plan(gguf_name, data.shape, QT.I64, data.nbytes, data=data.astype("<i8")))
+        else:
+            plans.append(_Plan(gguf_name, data.shape, QT.F32, data.nbytes, data=data.astype(np.float32)))
     return plans
 
 
@@ -386,6 +416,7 @@ def convert_model(
     repo_id: str | None = None,
     register: bool = True,
     cancel: CancelToken = None,
+    target: str | Path | None = None,
 ) -> ConvertResult:
     """Convert a Hugging Face model folder to GGUF and register it in the store.
 
@@ -398,8 +429,11 @@ def convert_model(
     written there and registered as an external (not store-owned) model. `repo_id` records the
     Hub repository the folder came from; `register=False` only writes the file (the result's
     manifest is then None). `cancel` (a callable or an object with `is_set()`, e.g. a
-    threading.Event) is polled between tensors and raises Cancelled. Raises ConversionError
-    (one line) on bad input; on any exception, Ctrl-C included, no file or manifest is left behind.
+    threading.Event) is polled between tensors and raises Cancelled. `target` is the HF folder of
+    the model a drafter (EAGLE-3) drafts for: its config supplies what the drafter's does not say
+    (which layers it reads, their width) and its tokenizer the vocabulary when the drafter ships
+    none. Raises ConversionError (one line) on bad input; on any exception, Ctrl-C included, no
+    file or manifest is left behind.
     """
     t0 = time.monotonic()
     folder = Path(source_dir).expanduser()
@@ -409,9 +443,14 @@ def convert_model(
         raise InvalidOptionError(f"unknown outtype {outtype!r}; choose one of {', '.join(OUTTYPE_CHOICES)}")
     config = _read_json(folder / "config.json", "the model's configuration")
     arch = architecture_for(config)
-    hp = arch.hparams(config)
+    target_dir = Path(target).expanduser() if target is not None else None
+    if target_dir is not None and not target_dir.is_dir():
+        raise ConversionError(f"no such target model folder: {target_dir}")
+    target_config = _read_json(target_dir / "config.json", "the target model's configuration") if target_dir else None
+    hp = arch.hparams(config, target_config) if target_config is not None else arch.hparams(config)
     scheme = scheme_for(config, folder)
-    vocab = load_vocab(folder, hp.vocab_size)
+    has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
+    vocab = load_vocab(folder if has_tokenizer or target_dir is None else target_dir, hp.vocab_size)
     store = store or Store()
     warned: list[str] = []
     direct: list[DirectTensor] = []
@@ -461,7 +500,7 @@ def convert_model(
                     w.add_source_repo_url(f"https://huggingface.co/{repo_id}")
                 arch.write_metadata(w, hp)
                 w.add_file_type(ftype)
-                if any(p.qtype not in (QT.F32, QT.F16, QT.BF16) for p in plans):
+                if any(p.qtype not in (QT.F32, QT.F16, QT.BF16, QT.I64) for p in plans):
                     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
                 vocab.add_to_gguf(w)
                 for p in plans:

@@ -28,6 +28,11 @@ _QWEN2_RE = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: qwen2's, with combining marks (\p{M}) inside letter runs.
+_QWEN35_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # A canonical form of each pre-tokenizer llama.cpp implements -> its `tokenizer.ggml.pre` name.
 # ("split", regex) is a Split step with behavior Isolated; ("bytelevel", use_regex) a ByteLevel
@@ -35,6 +40,7 @@ _QWEN2_RE = (
 KNOWN_PRE_TOKENIZERS: dict[tuple[tuple[Any, ...], ...], str] = {
     (("split", _LLAMA3_RE), ("bytelevel", False)): "llama-bpe",
     (("split", _QWEN2_RE), ("bytelevel", False)): "qwen2",
+    (("split", _QWEN35_RE), ("bytelevel", False)): "qwen35",
     (("digits",), ("bytelevel", True)): "smollm",
     (("bytelevel", True),): "gpt-2",
 }

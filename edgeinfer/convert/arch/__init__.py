@@ -9,14 +9,19 @@ from typing import Any
 
 from ...errors import ConversionError
 from .base import Architecture, HParams, TensorSpec
+from .eagle3 import Eagle3, is_eagle3_config
 from .llama import Llama
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
+from .qwen35 import REFUSED as _QWEN35_REFUSED
+from .qwen35 import Qwen35
 
 __all__ = ["Architecture", "HParams", "TensorSpec", "ARCHITECTURES", "supported_architectures", "architecture_for"]
 
-_ALL: tuple[type[Architecture], ...] = (Llama, Qwen2, Qwen3)
+_ALL: tuple[type[Architecture], ...] = (Llama, Qwen2, Qwen3, Qwen35, Eagle3)
 ARCHITECTURES: dict[str, type[Architecture]] = {name: cls for cls in _ALL for name in cls.hf_names}
+# Architectures we know and do not convert, with the reason given instead of "unsupported".
+_REFUSED: dict[str, str] = {**_QWEN35_REFUSED}
 
 
 def supported_architectures() -> list[str]:
@@ -29,9 +34,14 @@ def architecture_for(config: dict[str, Any]) -> Architecture:
         raise ConversionError(
             f"config.json names no architecture; supported: {', '.join(supported_architectures())}"
         )
+    if is_eagle3_config(config):  # some drafters call themselves LlamaForCausalLM
+        return Eagle3()
     for n in names:
         if n in ARCHITECTURES:
             return ARCHITECTURES[n]()
+    for n in names:
+        if n in _REFUSED:
+            raise ConversionError(f"{n}: {_REFUSED[n]}")
     raise ConversionError(
         f"unsupported architecture {', '.join(map(str, names))}; supported: {', '.join(supported_architectures())}"
     )

@@ -9,13 +9,17 @@ metadata to write.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import gguf
 import numpy as np
 
 from ...errors import ConversionError
+
+if TYPE_CHECKING:
+    from ..safetensors import Checkpoint
 
 __all__ = ["HParams", "Architecture", "TensorSpec"]
 
@@ -35,6 +39,7 @@ class HParams:
     tied: bool
     rope_scaling: dict[str, Any] | None = None
     explicit_head_dim: bool = False
+    rope_dims: int = 0  # rotated dimensions of each head where not all are (partial rope); 0: head_dim
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,21 @@ class TensorSpec:
     # Rows come in groups of `permute_heads` heads that must be reordered from HF's rotate_half
     # rope layout to llama.cpp's interleaved (NORM) layout; 0 = no reordering.
     permute_heads: int = 0
+    # Architectures whose tensors gguf's name map does not know (qwen35's hybrid and MTP layers,
+    # eagle3) name the GGUF tensor here.
+    gguf_name: str | None = None
+    # The GGUF tensor's shape where it differs from the HF one (a [C, 1, K] conv kernel as [C, K]).
+    gguf_shape: tuple[int, ...] | None = None
+    # Transforms, applied to float32 row blocks in this order: output row i is source row rows[i]
+    # (a permutation), output column j is source column cols[j], then fn elementwise.
+    rows: np.ndarray | None = field(default=None, compare=False)
+    cols: np.ndarray | None = field(default=None, compare=False)
+    fn: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False)
+    f32: bool = False  # kept F32 whatever the outtype (llama.cpp wants conv kernels in F32)
+
+    @property
+    def transformed(self) -> bool:
+        return self.rows is not None or self.cols is not None or self.fn is not None
 
 
 def _get(config: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
@@ -72,7 +92,10 @@ class Architecture:
         return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
 
     # -- hyperparameters ---------------------------------------------------------------------
-    def hparams(self, config: dict[str, Any]) -> HParams:
+    def hparams(self, config: dict[str, Any], target: dict[str, Any] | None = None) -> HParams:
+        """`target` is the config.json of the model a drafter drafts for (eagle3); others take none."""
+        if target is not None:
+            raise ConversionError(f"{self.name} is not a drafter: it takes no target model")
         hidden = _get(config, "hidden_size", int)
         heads = _get(config, "num_attention_heads", int)
         kv_heads = _get(config, "num_key_value_heads", int, heads)
@@ -144,6 +167,11 @@ class Architecture:
         """Tensors computed from the config (GGUF name -> float32 array)."""
         return {}
 
+    def checkpoint_tensors(self, ckpt: Checkpoint, hp: HParams) -> dict[str, np.ndarray]:
+        """Tensors computed from non-weight checkpoint entries (GGUF name -> float32 or int64 array),
+        e.g. eagle3's draft-to-target vocabulary table; the entries themselves are skipped."""
+        return {}
+
     # -- metadata ----------------------------------------------------------------------------
     def write_metadata(self, w: gguf.GGUFWriter, hp: HParams) -> None:
         w.add_context_length(hp.context_length)
@@ -155,7 +183,7 @@ class Architecture:
         w.add_rope_freq_base(hp.rope_theta)
         w.add_layer_norm_rms_eps(hp.rms_eps)
         w.add_vocab_size(hp.vocab_size)
-        w.add_rope_dimension_count(hp.head_dim)
+        w.add_rope_dimension_count(hp.rope_dims or hp.head_dim)
         if hp.explicit_head_dim:
             w.add_key_length(hp.head_dim)
             w.add_value_length(hp.head_dim)
