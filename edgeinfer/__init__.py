@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .engine import Engine, Generation, load
 from .engine.batch import BatchEngine, BatchGeneration, BatchMetrics, BatchOptions, ScoredTokenEvent, SlotMetrics
+from .engine.embedding import EmbeddingResult, EmbedOptions
 from .engine.events import (
     DoneEvent,
     Event,
@@ -90,6 +91,9 @@ __all__ = [
     "SpeculationStats",
     "SpeculationProgress",
     "PrefillProgress",
+    # embeddings (engine.embed)
+    "EmbedOptions",
+    "EmbeddingResult",
     # the store and files
     "Store",
     "ModelManifest",
