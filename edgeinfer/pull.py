@@ -190,6 +190,9 @@ def _source_files(snap: Snapshot) -> list[HubFile]:
     """What conversion needs: config, tokenizer files, the safetensors (those the index names)."""
     top = {p: f for p, f in snap.files.items() if "/" not in p}
     wanted = [top[n] for n in SOURCE_FILES if n in top]
+    from .convert.embedding import embedding_files  # sentence-transformers: pooling, prompts, the card
+
+    wanted += [snap.files[p] for p in embedding_files(snap.files) if snap.files[p] not in wanted]
     index = top.get("model.safetensors.index.json")
     shards: list[str]
     if index is not None and snap.offline:

@@ -38,6 +38,7 @@ from ..fsutil import atomic_path, ensure_free_space
 from ..gguf_file import read_gguf
 from ..store import ModelManifest, Store, normalize_name
 from .arch import Architecture, HParams, TensorSpec, architecture_for
+from .embedding import adapt_checkpoint, read_embedding_spec
 from .quantized import QuantizedTensor, QuantScheme, scheme_for
 from .safetensors import FLOAT_DTYPES, Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
 from .tokenizer import load_vocab
@@ -449,6 +450,7 @@ def convert_model(
     target_config = _read_json(target_dir / "config.json", "the target model's configuration") if target_dir else None
     hp = arch.hparams(config, target_config) if target_config is not None else arch.hparams(config)
     scheme = scheme_for(config, folder)
+    embedding = read_embedding_spec(folder, hp.hidden)  # sentence-transformers: pooling, normalization, prompts
     has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
     vocab = load_vocab(folder if has_tokenizer or target_dir is None else target_dir, hp.vocab_size)
     store = store or Store()
@@ -461,6 +463,7 @@ def convert_model(
             warnings.warn(msg, NonFiniteWeightWarning, stacklevel=2)
 
     with open_checkpoint(folder) as ckpt:
+        ckpt, hp = adapt_checkpoint(ckpt, hp, embedding)  # a bare decoder's names; no lm_head
         if outtype is None:
             outtype = "bf16" if _source_dtype(ckpt) == "BF16" else "f16"
         if outtype == "auto":
@@ -499,6 +502,8 @@ def convert_model(
                 if repo_id:
                     w.add_source_repo_url(f"https://huggingface.co/{repo_id}")
                 arch.write_metadata(w, hp)
+                if embedding is not None:
+                    embedding.write(w)
                 w.add_file_type(ftype)
                 if any(p.qtype not in (QT.F32, QT.F16, QT.BF16, QT.I64) for p in plans):
                     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -532,6 +537,8 @@ def convert_model(
                              time.monotonic() - t0, tuple(warned), method, tuple(direct))
     derived = repo_id or str(folder.resolve())
     source = {"kind": "convert", "from": derived, "outtype": outtype, "architecture": arch.name}
+    if embedding is not None:
+        source["embedding"] = embedding.pooling
     if method is not None:
         source["quantization"] = method
     if repo_id:
