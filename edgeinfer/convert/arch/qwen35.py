@@ -75,7 +75,8 @@ def _int_list(value: Any, what: str) -> list[int]:
 
 class Qwen35(Architecture):
     hf_names = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-    gguf_arch = gguf.MODEL_ARCH.QWEN35
+    # unused (every tensor is named here): gguf before 0.19 has no QWEN35, and must still import this
+    gguf_arch = getattr(gguf.MODEL_ARCH, "QWEN35", gguf.MODEL_ARCH.QWEN3)
     default_rope_theta = 10000000.0
     _multimodal: ClassVar[str] = "Qwen3_5ForConditionalGeneration"
 
@@ -270,14 +271,15 @@ class Qwen35(Architecture):
     def write_metadata(self, w: gguf.GGUFWriter, hp: HParams) -> None:
         assert isinstance(hp, Qwen35HParams)
         super().write_metadata(w, hp)  # block_count counts the MTP block; partial rope dimensions
-        w.add_rope_dimension_sections(list(hp.rope_sections))
+        # written by key (not gguf's newer add_* helpers): the pinned gguf range starts before them
+        w.add_array(f"{_ARCH}.rope.dimension_sections", list(hp.rope_sections))
         w.add_ssm_conv_kernel(hp.conv_kernel)
         w.add_ssm_state_size(hp.k_dim)
         w.add_ssm_group_count(hp.k_heads)
         w.add_ssm_time_step_rank(hp.v_heads)
         w.add_ssm_inner_size(hp.v_dim * hp.v_heads)
-        w.add_full_attention_interval(hp.full_attention_interval)
+        w.add_uint32(f"{_ARCH}.full_attention_interval", hp.full_attention_interval)
         # The MTP block is full attention (not recurrent), as llama.cpp's converter writes it.
         w.add_array(f"{_ARCH}.attention.recurrent_layers", [*hp.recurrent, *([False] * hp.mtp_layers)])
         if hp.mtp_layers:
-            w.add_nextn_predict_layers(hp.mtp_layers)
+            w.add_uint32(f"{_ARCH}.nextn_predict_layers", hp.mtp_layers)
