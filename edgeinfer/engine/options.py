@@ -58,9 +58,17 @@ def _instance(owner: str, name: str, value: object, kind: type | tuple[type, ...
         raise InvalidOptionError(f"{owner}{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
+def _gpu_layers(name: str, value: object) -> None:
+    if value in ("all", "auto"):
+        return
+    if isinstance(value, str) or not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be a number of layers, 'all' or 'auto', got {value!r}")
+    _int("", name, value, 0)
+
+
 @dataclass(frozen=True)
 class LoadOptions:
-    """How a model is loaded: context, threads, KV cache."""
+    """How a model is loaded: context, threads, KV cache, and where its layers run."""
 
     n_ctx: int | None = None  # None: min(model's trained context, 4096)
     n_threads: int | None = None  # None: EDGEINFER_THREADS, else the cores others leave free (edgeinfer.cpu)
@@ -69,6 +77,29 @@ class LoadOptions:
     flash_attn: bool | None = None  # None: on when the V cache is quantized (llama.cpp needs it there)
     kv_type_k: str | None = None  # K cache type; None: kv_type
     kv_type_v: str | None = None  # V cache type; None: kv_type
+    # Placement (edgeinfer.devices): layers on GPUs and RPC workers, N | "all" | "auto" (as many as
+    # the devices' reported memory holds; 0 where the build has no device).
+    n_gpu_layers: int | str = "auto"
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers, "host:port" (`edgeinfer rpc-worker`)
+    # Shares of the layers: the host first, then each device (workers in `rpc` order, then local
+    # GPUs); () = as many on the devices as n_gpu_layers says, split by their free memory.
+    tensor_split: tuple[float, ...] = ()
+    draft_gpu_layers: int | str | None = None  # a draft model's n_gpu_layers; None: the same as the target's
+
+    def draft_options(self, n_ctx: int | None = None) -> LoadOptions:
+        """The LoadOptions of a draft model (draft=, self=, auto=) loaded beside this target: its
+        threads and batch, and the target's placement unless draft_gpu_layers says otherwise."""
+        gpu = self.n_gpu_layers if self.draft_gpu_layers is None else self.draft_gpu_layers
+        split = self.tensor_split if self.draft_gpu_layers is None else ()
+        return LoadOptions(n_ctx=n_ctx, n_threads=self.n_threads, n_batch=self.n_batch, n_gpu_layers=gpu,
+                           rpc=self.rpc, tensor_split=split)
+
+    def model_params(self, ll: Any, path: str | os.PathLike[str]) -> Any:
+        """The llama_model_params of a load of `path` with these options: mmap, and the placement
+        (edgeinfer.devices.model_params: probes RPC workers, refuses what a device cannot hold)."""
+        from ..devices import model_params
+
+        return model_params(ll, path, self)
 
     @property
     def kv_types(self) -> tuple[str, str]:
@@ -93,6 +124,26 @@ class LoadOptions:
                 _instance("", name, getattr(self, name), str, "a string or None")
         kv_cache_type(self.kv_type)
         flash_attn_for(*self.kv_types, self.flash_attn)  # unknown types; quantized V with flash attention off
+        _gpu_layers("n_gpu_layers", self.n_gpu_layers)
+        if self.draft_gpu_layers is not None:
+            _gpu_layers("draft_gpu_layers", self.draft_gpu_layers)
+        if isinstance(self.rpc, str) or not isinstance(self.rpc, (tuple, list)):
+            raise InvalidOptionError(f"rpc must be a tuple of 'host:port' strings, got {type(self.rpc).__name__} {self.rpc!r}")
+        from ..devices import parse_endpoints
+
+        parse_endpoints(self.rpc)
+        if isinstance(self.tensor_split, str) or not isinstance(self.tensor_split, (tuple, list)):
+            raise InvalidOptionError(f"tensor_split must be a tuple of numbers, got {type(self.tensor_split).__name__} "
+                                     f"{self.tensor_split!r}")
+        for share in self.tensor_split:
+            _number("", "a tensor_split share", share)
+            if share < 0:
+                raise InvalidOptionError(f"tensor_split shares must be >= 0, got {share}")
+        if self.tensor_split and not sum(self.tensor_split) > 0:
+            raise InvalidOptionError("tensor_split needs at least one share above 0")
+        if self.tensor_split and isinstance(self.n_gpu_layers, int) and not isinstance(self.n_gpu_layers, bool):
+            raise InvalidOptionError("give a number of GPU layers or a tensor split, not both (the split's first "
+                                     "share, the host's, sets how many layers stay on the CPU)")
         return self
 
     @property
