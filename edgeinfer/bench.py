@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,6 +130,7 @@ class BenchResult:
     load: MachineLoad | None = None
     speculation: SpeculationCosts | None = None
     draft: DraftCosts | None = None
+    backend: str = "CPU"  # where the layers ran (edgeinfer.devices.Placement.summary)
 
     def to_metrics(self) -> dict[str, Any]:
         d = asdict(self)
@@ -184,11 +185,14 @@ def bench(
     speculation: bool = False,
     draft: str | Path | None = None,
     bandwidth: float | None = None,
+    placement: Mapping[str, Any] | None = None,
 ) -> BenchResult:
     """Prefill and decode tok/s at batch 1 (best of `repeats`), greedy, through the engine; with
     `speculation`, the batch cost curve too; with a `draft` model (implies `speculation`), its cost
     model (DraftCosts). Saved in the store unless the machine was busy (`save_busy` saves anyway,
-    marked)."""
+    marked). `placement`: LoadOptions fields n_gpu_layers, rpc, tensor_split; a run on RPC workers
+    is not saved (it measures those machines too, not this one)."""
+    from .devices import last_placement
     from .engine import load
     from .engine.options import GenerateOptions, LoadOptions, SamplingOptions
     from .store import Store
@@ -199,7 +203,8 @@ def bench(
     info = read_gguf(path)
     bw = bandwidth or measure_bandwidth()
     n_ctx = max(512, prompt_tokens + decode_tokens + 16, max(_COST_DEPTHS) + 64 if speculation else 0)
-    options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads)
+    options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, **dict(placement or {})).validate()
+    save = save and not options.rpc
     best_prefill = best_decode = 0.0
     generated = 0
     spec_costs = draft_costs = None
@@ -219,6 +224,7 @@ def bench(
             spec_costs = _speculation_costs(costs)
             if draft is not None:
                 draft_costs = _draft_costs(engine, costs, draft, options, prompt, gen_options, max(3, repeats))
+        placed = last_placement(path)
         machine = MachineLoad(load_before, MachineLoad.now(), os.cpu_count() or 1, threads)
         if speculation and save and (save_busy or not machine.busy):
             engine.save_decode_costs()
@@ -239,6 +245,7 @@ def bench(
         load=machine,
         speculation=spec_costs,
         draft=draft_costs,
+        backend=placed.summary() if placed is not None else "CPU",
     )
     if save and manifest is not None and (save_busy or not machine.busy):
         store.update_metrics(manifest.ref, "bench", result.to_metrics())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -183,11 +183,12 @@ class _Acc:
         )
 
 
-def _load(model: str | Path, ctx: int, n_threads: int | None, kv: tuple[str | None, str | None] = (None, None)) -> Any:
+def _load(model: str | Path, ctx: int, n_threads: int | None, kv: tuple[str | None, str | None] = (None, None),
+          placement: Mapping[str, Any] | None = None) -> Any:
     from .engine import load
     from .engine.options import LoadOptions
 
-    options = LoadOptions(n_ctx=ctx, n_threads=n_threads, kv_type_k=kv[0], kv_type_v=kv[1])
+    options = LoadOptions(n_ctx=ctx, n_threads=n_threads, kv_type_k=kv[0], kv_type_v=kv[1], **dict(placement or {}))
     return load(model=str(model) if isinstance(model, Path) else model, options=options)
 
 
@@ -213,6 +214,7 @@ def evaluate_many(
     kv_type_v: str | None = None,
     scored: int | None = None,
     cancel: CancelToken = None,
+    placement: Mapping[str, Any] | None = None,
 ) -> list[EvalResult]:
     """Evaluate several models on the same chunks against one reference (computed once per chunk).
 
@@ -222,6 +224,7 @@ def evaluate_many(
     `scored` positions of each chunk (default: its second half, as llama-perplexity).
     `cancel` (a threading.Event or a callable, see edgeinfer.cancel) is polled before each model
     and each chunk and raises `Cancelled`; the models finished before it keep their saved metrics.
+    `placement` (LoadOptions fields n_gpu_layers, rpc, tensor_split) places every model loaded.
     """
     from .store import Store
 
@@ -235,10 +238,10 @@ def evaluate_many(
     first = ctx - 1 - scored if scored is not None else ctx // 2
     kv = (kv_type_k, kv_type_v)
 
-    ref_engine = _load(reference, ctx, n_threads) if reference is not None else None
+    ref_engine = _load(reference, ctx, n_threads, placement=placement) if reference is not None else None
     try:
         # Tokenize with the reference's (or the first model's) tokenizer; all must share the vocabulary.
-        tok_engine = ref_engine or _load(models[0], ctx, n_threads)
+        tok_engine = ref_engine or _load(models[0], ctx, n_threads, placement=placement)
         try:
             tokens = tok_engine.tokenize(text, add_special=True)
             bos = _bos(tok_engine)
@@ -269,7 +272,7 @@ def evaluate_many(
         ref_name = str(reference) if reference is not None else None
         for mi, model in enumerate(models):
             raise_if_cancelled(cancel, "evaluation cancelled")
-            engine = _load(model, ctx, n_threads, kv)
+            engine = _load(model, ctx, n_threads, kv, placement)
             started = time.monotonic()
             try:
                 if engine.n_vocab != vocab:
@@ -321,6 +324,7 @@ def evaluate(
     on_progress: Callable[[EvalProgress], None] | None = None,
     scored: int | None = None,
     cancel: CancelToken = None,
+    placement: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """Evaluate one model. reference="auto": the full-precision model it was derived from, if any.
     `cancel` stops it between chunks with `Cancelled` (see evaluate_many)."""
@@ -332,7 +336,7 @@ def evaluate(
         reference = default_reference(manifest, store)
     return evaluate_many([model], reference, text=text, ctx=ctx, chunks=chunks, store=store,
                          n_threads=n_threads, save=save, on_progress=on_progress, scored=scored,
-                         cancel=cancel)[0]
+                         cancel=cancel, placement=placement)[0]
 
 
 def evaluate_kv(
@@ -348,6 +352,7 @@ def evaluate_kv(
     n_threads: int | None = None,
     on_progress: Callable[[EvalProgress], None] | None = None,
     cancel: CancelToken = None,
+    placement: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """What KV-cache quantization alone costs `model`: KLD, same-top and Δp of the model with
     K/V caches of `kv_type_k`/`kv_type_v` against the same weights with an f16 cache, on chunks of
@@ -359,4 +364,4 @@ def evaluate_kv(
     path, _ = store.resolve(model)
     return evaluate_many([path], path, text=text, ctx=ctx, chunks=chunks, store=store, n_threads=n_threads,
                          save=False, on_progress=on_progress, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
-                         scored=scored, cancel=cancel)[0]
+                         scored=scored, cancel=cancel, placement=placement)[0]

@@ -10,6 +10,7 @@ from /proc/meminfo (and the cgroup's memory limit when one is set).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from .gguf_file import GGUFInfo, read_gguf
 from .kv_types import KV_CACHE_TYPES, flash_attn_for, kv_cache_type
 
 if TYPE_CHECKING:
+    from .devices import Placement
     from .store import ModelManifest, Store
 
 __all__ = [
@@ -60,10 +62,17 @@ class FitReport:
     available: int  # bytes available now
     fits: bool
     kv_by_type: dict[str, int] = field(default_factory=dict)  # KV-cache bytes at n_ctx for every type (K = V)
+    # Where each part lands when GPUs or RPC workers take layers (None: everything on this machine).
+    placement: Placement | None = None
+
+    @property
+    def host_total(self) -> int:
+        """Bytes this machine must hold: everything, or the host's part of a placement."""
+        return self.placement.host.total if self.placement is not None else self.estimate.total
 
     @property
     def headroom(self) -> int:
-        return self.available - self.estimate.total
+        return self.available - self.host_total
 
 
 def _meta(info: GGUFInfo, key: str, default: Any = None) -> Any:
@@ -173,8 +182,14 @@ def available_memory() -> int:
 
 
 def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16", *, store: Store | None = None,
-        available: int | None = None, kv_type_k: str | None = None, kv_type_v: str | None = None) -> FitReport:
-    """Estimate the memory a model needs and compare it with what is available."""
+        available: int | None = None, kv_type_k: str | None = None, kv_type_v: str | None = None,
+        placement: Mapping[str, Any] | None = None) -> FitReport:
+    """Estimate the memory a model needs and compare it with what is available. `placement`
+    (LoadOptions fields n_gpu_layers, rpc, tensor_split) plans the layers over this machine, its
+    GPUs and RPC workers (edgeinfer.devices, which probes the workers): then the model fits when
+    every device holds its part and this machine holds the rest."""
+    from .devices import local_gpu_devices, placement_for
+    from .engine.options import LoadOptions
     from .store import Store
 
     store = store or Store()
@@ -182,8 +197,15 @@ def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16"
     info = read_gguf(path)
     est = estimate_memory(info, n_ctx, kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
     avail = available_memory() if available is None else available
-    return FitReport(manifest.ref if manifest else str(path), est, avail, est.total <= avail,
-                     kv_cache_sizes(info, est.n_ctx))
+    plan = None
+    options = LoadOptions(n_ctx=est.n_ctx, kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
+                          **dict(placement or {})).validate()
+    if options.rpc or options.tensor_split or local_gpu_devices() or options.n_gpu_layers not in ("auto", 0):
+        plan = placement_for(path, options, info, host_free=avail, strict=False)
+        if not plan.devices and not plan.note:
+            plan = None  # everything on this machine: the plain estimate says it
+    fits = est.total <= avail if plan is None else plan.fits and plan.host.total <= avail
+    return FitReport(manifest.ref if manifest else str(path), est, avail, fits, kv_cache_sizes(info, est.n_ctx), plan)
 
 
 @dataclass(frozen=True)
@@ -221,12 +243,13 @@ def ladder(name: str, *, store: Store | None = None) -> list[ModelManifest]:
 
 def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_quality: float | None = None,
               store: Store | None = None, available: int | None = None, kv_type_k: str | None = None,
-              kv_type_v: str | None = None) -> Recommendation:
+              kv_type_v: str | None = None, placement: Mapping[str, Any] | None = None) -> Recommendation:
     """The quant of ladder `name` to use on this machine.
 
     Without `min_quality`: the highest-quality member that fits (lowest measured KLD; members not
     evaluated rank by bits per weight). With `min_quality` (a maximum mean KLD): the fastest member
     that fits and whose measured KLD is at most that (decode tok/s if benchmarked, else the smallest).
+    `placement` as in `fit`: device memory counts where the devices report it.
     """
     from .store import Store
 
@@ -236,7 +259,8 @@ def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_
     for m in ladder(name, store=store):
         ev = m.metrics.get("eval") or {}
         bench = m.metrics.get("bench") or {}
-        report = fit(m.ref, n_ctx, kv_type, store=store, available=avail, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
+        report = fit(m.ref, n_ctx, kv_type, store=store, available=avail, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
+                     placement=placement)
         cands.append(Candidate(m, report, ev.get("kld"), ev.get("ppl"), ev.get("same_top"), bench.get("decode_tok_s")))
     fitting = [c for c in cands if c.fit.fits]
     if not fitting:

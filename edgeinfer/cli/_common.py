@@ -25,6 +25,9 @@ __all__ = [
     "argument_text",
     "add_kv_options",
     "kv_options",
+    "add_placement_options",
+    "placement_options",
+    "rpc_workers_type",
 ]
 
 INT32_MAX = 2**31 - 1  # a C int: every count llama.cpp takes (threads, tokens, top-k, context)
@@ -54,6 +57,58 @@ def add_kv_options(p: argparse.ArgumentParser) -> None:
 def kv_options(args: argparse.Namespace) -> dict[str, str | None]:
     """The LoadOptions fields of the --kv-type* flags."""
     return {"kv_type": args.kv_type, "kv_type_k": args.kv_type_k, "kv_type_v": args.kv_type_v}
+
+
+def _gpu_layers(text: str) -> int | str:
+    value = text.strip().lower()
+    if value in ("all", "auto"):
+        return value
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers, 'all' or 'auto', got {text!r}") from None
+    if not 0 <= n <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {INT32_MAX}, got {n}")
+    return n
+
+
+def rpc_workers_type(text: str) -> tuple[str, ...]:
+    from edgeinfer.devices import parse_endpoints
+    from edgeinfer.errors import InvalidOptionError
+
+    try:
+        return parse_endpoints(text)
+    except InvalidOptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _tensor_split(text: str) -> tuple[float, ...]:
+    import math
+
+    try:
+        shares = tuple(float(s) for s in text.replace("/", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected shares like 1,1,1 (the host first), got {text!r}") from None
+    if any(not math.isfinite(s) or s < 0 for s in shares) or not sum(shares) > 0:
+        raise argparse.ArgumentTypeError(f"shares must be numbers >= 0, at least one above 0, got {text!r}")
+    return shares
+
+
+def add_placement_options(p: argparse.ArgumentParser) -> None:
+    """--gpu-layers, --rpc, --tensor-split: where a model's layers run (edgeinfer.devices)."""
+    p.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|all|auto",
+                   help="layers on GPUs and RPC workers (default auto: as many as their memory holds; none on a "
+                   "CPU-only build; `edgeinfer doctor` shows what this build has)")
+    p.add_argument("--rpc", type=rpc_workers_type, default=(), metavar="HOST:PORT,...",
+                   help="put part of the model on these llama.cpp RPC workers (`edgeinfer rpc-worker` there)")
+    p.add_argument("--tensor-split", type=_tensor_split, default=(), metavar="HOST,DEV1,...",
+                   help="shares of the layers: this machine first, then each worker in --rpc order, then local GPUs "
+                   "(e.g. 1,1,1; default: by the devices' free memory)")
+
+
+def placement_options(args: argparse.Namespace) -> dict[str, object]:
+    """The LoadOptions fields of the placement flags."""
+    return {"n_gpu_layers": args.gpu_layers, "rpc": args.rpc, "tensor_split": args.tensor_split}
 
 
 def int_range(lo: int, hi: int | Callable[[], int]) -> Callable[[str], int]:

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ._common import INT32_MAX, common_options, format_bytes, int_range, print_table, threads_type, THREADS_HELP
+from ._common import INT32_MAX, add_placement_options, common_options, format_bytes, int_range, placement_options, print_table, threads_type, THREADS_HELP
 
 __all__ = ["register"]
 
@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int_range(1, INT32_MAX), default=64, help="tokens to decode (default 64)")
     p.add_argument("--repeats", type=int_range(1, 1000), default=2, help="runs per model, best kept (default 2)")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
+    add_placement_options(p)
     p.add_argument("--speculation", action="store_true",
                    help="also measure the batch cost curve speculative decoding plans with (two context depths), "
                    "the speed-up ceiling it allows and what a draft model's token may cost; kept in the store")
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     models = args.models or [None]
     progress = None if args.json else (lambda e: print(f"… {e.phase} {e.model}".rstrip(), file=sys.stderr, flush=True))
     common = dict(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                  n_threads=args.threads, save_busy=args.save_busy)
+                  n_threads=args.threads, save_busy=args.save_busy, placement=placement_options(args))
     results = bench_many(models, speculation=args.speculation, draft=args.draft, on_progress=progress, **common)
     if args.json:
         out = [asdict(r) | {"busy": bool(r.load and r.load.busy)} for r in results]
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
              f"{r.roofline_tok_s:.1f}", f"{r.roofline_fraction * 100:.0f}%"] for r in results]
     print_table(rows, ["model", "prefill tok/s", "decode tok/s", "bytes/token", "roofline tok/s", "of roofline"])
     print(f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s (numpy, best of 5); {results[0].n_threads} threads")
+    for r in results:
+        print(f"{r.model}: layers on {r.backend}")
     for r in results:
         _print_speculation(r)
         _print_draft(r)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type, THREADS_HELP, add_kv_options, kv_options
+from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type, THREADS_HELP, add_kv_options, kv_options, add_placement_options, placement_options
 
 __all__ = ["register"]
 
@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
+    add_placement_options(p)
     # Not given: the open chat keeps the cache types saved with it (a new chat: f16).
     p.set_defaults(func=chat, kv_type=None)
 
@@ -45,7 +46,7 @@ def chat(args: argparse.Namespace) -> int:
 
     kv = {name: value for name, value in kv_options(args).items() if value is not None}
     # a wrong type or name is a one-line error before the screen opens
-    options = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv).validate()
+    options = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv, **placement_options(args)).validate()
     if args.model:
         edgeinfer.Store().resolve(args.model)
     return edgeinfer_tui.run(args.model, load_options=options, kv_types=options.kv_types if kv else None)

@@ -10,10 +10,12 @@ from ._common import (
     THREADS_HELP,
     ProgressBar,
     add_kv_options,
+    add_placement_options,
     common_options,
     format_bytes,
     int_range,
     kv_options,
+    placement_options,
     print_table,
     threads_type,
 )
@@ -44,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_kv_options(p)
     p.add_argument("--chunks", type=int_range(1, INT32_MAX), help="number of chunks (default: as many as the text holds)")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
+    add_placement_options(p)
     p.add_argument("--force", action="store_true", help="--ladder: re-measure models that already have results")
     p.add_argument("--no-bench", action="store_true", help="--ladder: do not measure decode speed")
     p.set_defaults(func=run)
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = evaluate(args.model, args.reference or "auto", text=_read_text(args.text), ctx=args.ctx or 512,
                           chunks=args.chunks, n_threads=args.threads, scored=args.scored,
+                          placement=placement_options(args),
                           on_progress=lambda e: bar.update(e.chunk, e.n_chunks, label=f"eval {e.model}"))
     finally:
         bar.close()
@@ -98,6 +102,7 @@ def _kv_eval(args: argparse.Namespace, kv_k: str, kv_v: str) -> int:
     try:
         result = evaluate_kv(args.model, kv_k, kv_v, text=_read_text(args.text), ctx=ctx, chunks=args.chunks,
                              scored=args.scored or min(512, ctx // 2), n_threads=args.threads,
+                             placement=placement_options(args),
                              on_progress=lambda e: bar.update(e.chunk, e.n_chunks, label=f"eval KV {kv_k}/{kv_v}"))
     finally:
         bar.close()
@@ -160,7 +165,7 @@ def _ladder(args: argparse.Namespace) -> int:
         bar = ProgressBar("eval", None)
         try:
             evaluate_many(todo, reference, text=text, ctx=ctx, chunks=args.chunks, store=store,
-                          n_threads=args.threads,
+                          n_threads=args.threads, placement=placement_options(args),
                           on_progress=lambda e: bar.update((e.model_index - 1) * e.n_chunks + e.chunk,
                                                            e.n_models * e.n_chunks, label=f"eval {e.model}"))
         finally:
@@ -171,6 +176,7 @@ def _ladder(args: argparse.Namespace) -> int:
             bar = ProgressBar("bench", len(need))
             try:
                 results = bench_many(need, prompt_tokens=128, decode_tokens=48, repeats=1, n_threads=args.threads,
+                                     placement=placement_options(args),
                                      store=store, on_progress=lambda e: bar.update(max(e.model_index - 1, 0),
                                                                                    label=f"bench {e.model}"))
                 bar.update(len(need), label="bench")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import INT32_MAX, ctx_type, add_kv_options, common_options, format_bytes, int_range, kv_options, print_table
+from ._common import INT32_MAX, ctx_type, add_kv_options, add_placement_options, common_options, format_bytes, int_range, kv_options, placement_options, print_table
 
 __all__ = ["register"]
 
@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="store name or .gguf path (default: the default model)")
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     add_kv_options(p)
+    add_placement_options(p)
     p.set_defaults(func=run_fit)
 
     r = sub.add_parser(
@@ -35,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("name", help="store model name (all its tags form the ladder)")
     r.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     add_kv_options(r)
+    add_placement_options(r)
     r.add_argument("--min-quality", type=float, metavar="KLD", help="largest acceptable mean KL divergence")
     r.set_defaults(func=run_recommend)
 
@@ -42,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_fit(args: argparse.Namespace) -> int:
     from edgeinfer.fit import fit
 
-    rep = fit(args.model, args.ctx, **kv_options(args))
+    rep = fit(args.model, args.ctx, **kv_options(args), placement=placement_options(args))
     e = rep.estimate
     print(f"model       {rep.model}")
     print(f"weights     {format_bytes(e.weights)}")
@@ -52,15 +54,40 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"KV by type  {by_type}")
     print(f"compute     {format_bytes(e.compute)}  (estimate)")
     print(f"total       {format_bytes(e.total)}")
-    print(f"available   {format_bytes(rep.available)}")
-    print(f"fits        {'yes' if rep.fits else 'NO'}  (headroom {format_bytes(rep.headroom)})")
+    if rep.placement is not None:
+        _print_placement(rep)
+    print(f"available   {format_bytes(rep.available)}" + ("  (this machine)" if rep.placement is not None else ""))
+    print(f"fits        {'yes' if rep.fits else 'NO'}  (headroom {format_bytes(rep.headroom)}"
+          + (" on this machine)" if rep.placement is not None else ")"))
     return 0 if rep.fits else 1
+
+
+def _print_placement(rep) -> None:  # noqa: ANN001 - an edgeinfer.fit.FitReport
+    """Where each part lands: this machine and each device (weights, KV cache, compute buffers)."""
+    plan = rep.placement
+    if plan.note:
+        print(f"note        {plan.note}")
+    rows = []
+    for p in plan.parts:
+        first, end = p.layers
+        layers = "-" if not p.n_layers else (f"{first}-{end - 1}" if end - first > 1 else str(first))
+        if end == plan.n_layer + 1 and p.n_layers:
+            layers += " +output" if end - first > 1 else " (output)"
+        free = rep.available if p.name == "host" else p.memory_free
+        fits = p.total <= rep.available if p.name == "host" else p.fits
+        rows.append([p.name, p.where, layers, format_bytes(p.weights), format_bytes(p.kv_cache), format_bytes(p.compute),
+                     format_bytes(p.total), "-" if free is None else format_bytes(free),
+                     "?" if fits is None else ("yes" if fits else "NO")])
+    print()
+    print_table(rows, ["part", "where", "layers", "weights", "KV cache", "compute", "total", "free", "fits"])
+    print()
 
 
 def run_recommend(args: argparse.Namespace) -> int:
     from edgeinfer.fit import recommend
 
-    rec = recommend(args.name, args.ctx, min_quality=args.min_quality, **kv_options(args))
+    rec = recommend(args.name, args.ctx, min_quality=args.min_quality, **kv_options(args),
+                    placement=placement_options(args))
     rows = []
     for c in rec.candidates:
         rows.append([

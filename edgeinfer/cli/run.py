@@ -12,6 +12,8 @@ import sys
 
 from ._common import INT32_MAX, ctx_type, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type, THREADS_HELP
 
+from ._common import add_placement_options, placement_options
+
 __all__ = ["register"]
 
 _MAX_PROMPT_BYTES = 32 << 20  # far beyond any context; `-f /dev/zero` must end, not fill memory
@@ -60,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
+    add_placement_options(p)
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M (output is unchanged, "
                    "speed may be; auto=MODEL: auto may draft with MODEL where it pays)")
@@ -231,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         speculation=speculation,
         **_constraint(args),
     ).validate()
-    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv_options(args)).validate()
+    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv_options(args),
+                                 **placement_options(args)).validate()
     with edgeinfer.load(model, load) as engine:
         if args.ctx is not None and engine.n_ctx != args.ctx:
             print(f"edgeinfer: note: context of {args.ctx} tokens rounded to {engine.n_ctx} by llama.cpp", file=sys.stderr)

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from ._common import common_options, ctx_type, int_range, THREADS_HELP, threads_type
+from ._common import add_placement_options, common_options, ctx_type, int_range, placement_options, THREADS_HELP, threads_type
 
 __all__ = ["register"]
 
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    add_placement_options(p)
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="default for requests: off | lookup | auto (= lookup with parallel sequences); "
                    "a request may choose its own with the extra body field 'speculation'")
@@ -149,7 +150,8 @@ def serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
     ).validate()  # a refused option is a one-line error before the model loads
-    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type).validate()
+    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type,
+                                 **placement_options(args)).validate()
     sock = edgeinfer_server.bind(config.host, config.port)  # ... and so is a port in use
     try:
         try:
