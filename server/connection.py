@@ -8,8 +8,10 @@ deadline, and is aborted when it passes:
 
 - head: from the connection's start, or a keep-alive request's first byte, to the end of the head;
 - body: from the end of the head to the end of the body;
-- stall: from the moment the response cannot be written (the client's buffers are full and it
-  reads nothing) until it can again. The app sees an ordinary disconnect and cancels the request.
+- stall: while the response cannot be written (the client's buffers are full), the client must
+  take some of it every `stall_timeout_s`; one that reads nothing for that long is aborted, and
+  the app sees an ordinary disconnect and cancels the request (a slow reader that keeps reading,
+  e.g. a large response over a slow link, is not a stalled one).
 
 The kernel's send buffer is held at 64 KiB: Linux grows it to ~4 MB on loopback, which would let
 a client that never reads swallow thousands of tokens before anything noticed, and would cost
@@ -46,6 +48,7 @@ class _GuardedH11(H11Protocol):
         super().__init__(*args, **kwargs)
         self._phase: str | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes waiting in the transport when the stall phase (re)started
         app = self.app
 
         async def limited(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
@@ -111,6 +114,8 @@ class _GuardedH11(H11Protocol):
             self._timer = None
         self._phase = phase
         if phase is not None:
+            if phase == "stall":
+                self._unsent = self.transport.get_write_buffer_size()
             self._timer = self.loop.call_later(self._timeout(phase), self._expire, phase)
 
     def _timeout(self, phase: str) -> float:
@@ -121,8 +126,14 @@ class _GuardedH11(H11Protocol):
         self._timer = None
         if self.transport is None or self.transport.is_closing():
             return
-        who = "%s:%d" % self.client if self.client else "a client"
         t = self._timeout(phase)
+        if phase == "stall":
+            unsent = self.transport.get_write_buffer_size()
+            if unsent < self._unsent:  # it took some (while paused, only the client's reading shrinks the buffer)
+                self._unsent = unsent
+                self._timer = self.loop.call_later(t, self._expire, phase)
+                return
+        who = "%s:%d" % self.client if self.client else "a client"
         if phase == "stall":
             log.warning("%s read nothing of its response for %g s (--stall-timeout): connection closed, "
                         "its request cancelled", who, t)

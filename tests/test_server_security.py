@@ -460,6 +460,34 @@ def test_a_reader_that_stops_reading_loses_its_slot(guarded):
 
 
 @pytest.mark.slow
+def test_a_slow_reader_that_keeps_reading_keeps_its_stream(guarded):
+    """A client reading ~50 KB/s of a stream produced faster (~1.5 KB per token) keeps the
+    server's writes paused for seconds at a time, longer than --stall-timeout (2 s); it keeps
+    taking bytes, so it is not stalled and gets the whole answer."""
+    s = connect(guarded, rcvbuf=4096)
+    port = own_port(s)
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
+                       "max_tokens": 300, "temperature": 0.8, "seed": 5, "stream": True, "logprobs": True,
+                       "top_logprobs": 20, "stop": []}).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    s.settimeout(30)
+    received = bytearray()
+    start = time.monotonic()
+    while not received.endswith(b"\r\n0\r\n\r\n"):  # the end of the chunked body
+        chunk = s.recv(8192)
+        assert chunk, "the server closed the stream: " + "".join(guarded.log[-3:])
+        received += chunk
+        time.sleep(0.15)  # the slow reader under test: at most ~55 KB/s
+    s.close()
+    took = time.monotonic() - start
+    print(f"slow reader: {len(received) / 1024:.0f} KiB in {took:.1f} s")
+    assert b"data: [DONE]" in received and b'"finish_reason": "length"' in received
+    wait_for_line(guarded, rf"127\.0\.0\.1:{port} POST /v1/chat/completions 200 length prompt=\d+ completion=300 ")
+    assert not any(f"127.0.0.1:{port} read nothing" in line for line in guarded.log)
+
+
+@pytest.mark.slow
 def test_connection_limit(keyed):
     """--max-connections 2: while two connections are open, a request on a third gets 503 with
     Retry-After; when they close, requests are served again."""
