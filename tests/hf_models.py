@@ -36,6 +36,8 @@ __all__ = [
     "default_gguf_path",
     "llama_cpp_logits",
     "PRE_TOKENIZERS",
+    "make_embedding_hf_model",
+    "QWEN3_EMBEDDING_PROMPTS",
     "make_random_qwen35_model",
     "make_random_eagle3_drafter",
     "copy_with_config",
@@ -722,4 +724,77 @@ def make_random_eagle3_drafter(
     if aux_layers is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# -- embedding models (sentence-transformers repositories) ------------------------------------------
+QWEN3_EMBEDDING_PROMPTS = {
+    "query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:",
+    "document": "",
+}
+
+
+def make_embedding_hf_model(
+    folder: Path,
+    *,
+    pooling: str = "lasttoken",
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+    matryoshka_min: int | None = 32,
+    bare: bool = True,
+    hidden: int = 256,
+    seed: int = 0,
+) -> Path:
+    """A tiny random repository shaped like Qwen/Qwen3-Embedding-8B: a qwen3 decoder saved bare
+    (`embed_tokens.weight`, `layers.N....`, no `model.` prefix and no lm_head although config.json
+    says the embeddings are not tied), a tokenizer whose post-processor appends <|endoftext|>
+    (config's eos stays <|im_end|>, as Qwen's), `modules.json` with a Pooling module (`pooling`:
+    lasttoken | mean | cls) and a Normalize one (`normalize`), `config_sentence_transformers.json`
+    with `prompts` (Qwen3-Embedding's by default) and a model card declaring MRL support down to
+    `matryoshka_min` (None: no such claim). Returns `folder`."""
+    folder = Path(folder)
+    make_random_hf_model(folder, "qwen3", hidden=hidden, tied=True, seed=seed)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if bare:  # the same bytes under the bare decoder's names
+        path = folder / "model.safetensors"
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        header = {k.removeprefix("model."): v for k, v in header.items()}
+        hj = json.dumps(header, separators=(",", ":")).encode()
+        hj += b" " * (-len(hj) % 8)
+        path.write_bytes(len(hj).to_bytes(8, "little") + hj + raw[8 + n :])
+    tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    eot = "<|endoftext|>"
+    single = [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": eot, "type_id": 0}}]
+    pair = single + [{"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": eot, "type_id": 1}}]
+    eot_id = tok["model"]["vocab"][eot]
+    tok["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        {"type": "TemplateProcessing", "single": single, "pair": pair,
+         "special_tokens": {eot: {"id": eot, "ids": [eot_id], "tokens": [eot]}}},
+    ]}
+    (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens", "mean_sqrt_len": "mean_sqrt_len_tokens",
+             "weightedmean": "weightedmean_tokens", "lasttoken": "lasttoken"}
+    flags = {f"pooling_mode_{flag}": pooling == mode for mode, flag in modes.items()}
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden, **flags, "include_prompt": True}, indent=2))
+    st = {"prompts": QWEN3_EMBEDDING_PROMPTS if prompts is None else prompts, "default_prompt_name": None,
+          "similarity_fn_name": "cosine"}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(st, indent=2))
+    card = "---\nlicense: apache-2.0\nlibrary_name: sentence-transformers\n---\n# A tiny Qwen3-Embedding-shaped model\n"
+    if matryoshka_min is not None:
+        card += (f"| Model | MRL Support |\n|---|---|\n| this | Yes |\n\nEmbedding Dimension: Up to {hidden}, supports "
+                 f"user-defined output dimensions ranging from {matryoshka_min} to {hidden}\n")
+    (folder / "README.md").write_text(card)
     return folder
