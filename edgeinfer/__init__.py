@@ -22,6 +22,8 @@ from .engine.events import (
     SpeculationProgress,
     SpeculationStats,
     TokenEvent,
+    ToolCall,
+    ToolCallEvent,
 )
 from .engine.options import (
     DEFAULT_GENERATE,
@@ -87,6 +89,8 @@ __all__ = [
     "KVCacheType",
     "Event",
     "TokenEvent",
+    "ToolCallEvent",
+    "ToolCall",
     "DoneEvent",
     "GenerationStats",
     "SpeculationStats",

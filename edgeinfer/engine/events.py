@@ -14,9 +14,35 @@ __all__ = [
     "SpeculationStats",
     "FinishReason",
     "Event",
+    "ToolCall",
+    "ToolCallEvent",
 ]
 
-FinishReason = Literal["eos", "stop", "length", "cancelled"]
+FinishReason = Literal["eos", "stop", "length", "cancelled", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: `arguments` is the JSON text of its arguments, as the model
+    wrote it (OpenAI's `tool_calls[i].function`; it parses whenever a grammar enforced the call)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    """A piece of the tool call number `index` of this reply (engine/tools.py parses them out of the
+    text): the first event of a call has `arguments == ""`, later ones each carry the next piece of
+    the arguments' JSON text (OpenAI's streamed `tool_calls[i].function.arguments` chunks), and the
+    last one also the whole `call`."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str = ""
+    call: ToolCall | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +174,7 @@ class DoneEvent:
     tokens: list[int]
     finish_reason: FinishReason
     stats: GenerationStats
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls made (`text` is then the rest, the content)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -155,4 +182,4 @@ class DoneEvent:
         return d
 
 
-Event = TokenEvent | SpeculationProgress | PrefillProgress | DoneEvent
+Event = TokenEvent | ToolCallEvent | SpeculationProgress | PrefillProgress | DoneEvent
