@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +159,7 @@ def test_prefix_of_a_finished_request_is_reused(f16_batch):
     first = f16_batch.chat(PROMPTS[0], opts).result()
     again = f16_batch.chat(PROMPTS[0], opts).result()
     assert again.tokens == first.tokens
-    assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
+    assert again.stats.cached_tokens == again.stats.prompt_tokens  # nothing decoded again: as on Engine
     follow_up = PROMPTS[0] + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
     longer = f16_batch.chat(follow_up, opts).result()
     assert longer.stats.cached_tokens >= first.stats.prompt_tokens - 1
@@ -212,11 +213,27 @@ def test_lookup_speculation_keeps_greedy_output(f16_path, f16_single):
 
 
 @pytest.mark.slow
-def test_the_cost_curve_is_measured_when_not_given(f16_batch):
-    assert f16_batch.cost_curve() == {}
-    f16_batch.chat(PROMPTS[2], greedy(4, "lookup")).result()
-    curve = f16_batch.cost_curve()
-    assert 1 in curve and 8 in curve and all(t > 0 for t in curve.values())
+def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path):
+    """With no curve in the store, an idle engine times decodes up to a full ubatch on a sequence
+    of its own, keeps the curve in the store (the next engine starts from it), and a request that
+    arrives meanwhile is served at once (the calibration decode under way is aborted)."""
+    store = edgeinfer.Store(tmp_path / "home")
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
+                          store=store) as be:
+        assert be._calibration is not None and be._calibration.pending()  # white-box: it is to do
+        done = be.chat(PROMPTS[2], greedy(4)).result()  # arrives during the calibration
+        assert done.stats.queue_s < 0.5, done.stats
+        deadline = time.monotonic() + 120
+        while be._calibration.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        curve = be.cost_curve()
+        assert {1, 8, 64, 512} <= set(curve) and set(be._calibration.best) <= set(curve), curve
+        again = be.chat(PROMPTS[2], greedy(4)).result()
+        assert again.tokens == done.tokens  # the calibration's sequence left the slots' caches alone
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
+                          store=store) as be:
+        assert be._calibration is None  # measured before: nothing to do
+        assert be.cost_curve() == pytest.approx(curve, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -257,7 +274,7 @@ def test_bad_requests_are_refused_before_queueing(f16_batch):
         f16_batch.submit([], greedy(4))
     with pytest.raises(edgeinfer.InvalidOptionError):
         f16_batch.submit([f16_batch.n_vocab], greedy(4))
-    with pytest.raises(edgeinfer.InvalidOptionError, match="not supported"):
+    with pytest.raises(edgeinfer.InvalidOptionError, match="not prepared"):
         f16_batch.submit([1, 2, 3], greedy(4, "self"))
     assert f16_batch.metrics().queue_depth == 0
 
@@ -269,14 +286,15 @@ def test_close_cancels_running_requests(f16_path):
     next(gen)
     be.close(grace=0.0)
     assert gen.result().finish_reason == "cancelled"
-    with pytest.raises(edgeinfer.InvalidOptionError):
+    with pytest.raises(edgeinfer.EngineClosedError):
         be.generate("again")
 
 
 @pytest.mark.slow
 def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
-    """Continuous batching: while a 750-token prompt is prefilled (64 tokens a step), a running
-    request keeps receiving tokens, instead of waiting for the whole prefill."""
+    """Continuous batching: while a 750-token prompt is prefilled, a running request keeps
+    receiving tokens instead of waiting for the whole prefill (`prefill_chunk` caps what the cost
+    curve's knee would give: 64 rows a step while others decode)."""
     batch = BatchOptions(parallel=2, prefill_chunk=64)
     with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
         arrivals: list[tuple[str, int]] = []  # (who, index), in the order the readers saw them
@@ -285,7 +303,8 @@ def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
         decoding = threading.Event()
 
         def read(name: str, gen) -> None:
-            for i, _ in enumerate(gen):
+            tokens = (e for e in gen if isinstance(e, edgeinfer.TokenEvent))
+            for i, _ in enumerate(tokens):
                 with lock:
                     arrivals.append((name, i))
                 decoding.set()
@@ -297,22 +316,19 @@ def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
         long_prompt = be.tokenize("word " * 750)
         assert len(long_prompt) > 600
         late = be.submit(long_prompt, greedy(4))
-        read("long", late)
+        late_events: list[edgeinfer.Event] = []
+
+        def recorded(gen):
+            for e in gen:
+                late_events.append(e)
+                yield e
+
+        read("long", recorded(late))
         reader.join()
         first_long = arrivals.index(("long", 0))
         running_before = [a for a in arrivals[:first_long] if a[0] == "running"]
         assert late.done.stats.cached_tokens == 0
+        progress = [e for e in late_events if isinstance(e, edgeinfer.PrefillProgress)]
+        assert [p.done for p in progress] == list(range(64, len(long_prompt), 64)) + [len(long_prompt)]
         # ~10 prefill steps: the running request got a token from (nearly) each of them.
         assert len(running_before) >= 8, arrivals[: first_long + 1]
-
-
-def test_step_costs_fit_the_attention_term():
-    """Steps made dearer by context (t = 1.5 · curve(R) + 2e-6 · R · D) are fitted back from
-    what they cost, so long contexts make drafted rows dearer than the short-context curve says."""
-    from edgeinfer.engine.batch import _StepCosts
-
-    fit = _StepCosts(CPU_LIKE)
-    for rows, cells in [(1, 100), (8, 500), (2, 2000), (16, 3000), (4, 800), (32, 4000), (1, 4000), (9, 1500)] * 5:
-        fit.observe(rows, cells, 1.5 * CPU_LIKE.time(rows) + 2e-6 * rows * cells)
-    assert fit.s == pytest.approx(1.5, rel=1e-3) and fit.beta == pytest.approx(2e-6, rel=1e-3)
-    assert fit.time(16, 4000) > 1.5 * CPU_LIKE.time(16)

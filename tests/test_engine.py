@@ -95,8 +95,9 @@ def test_prefix_cache_reuse(default_engine, default_model_path):
     assert second.stats.prompt_tokens == len(prompt)
     # white-box: the cached state's next-token logits vs a fresh context fed the same tokens
     with default_engine._slot.hold() as rt:
-        rt.truncate(len(prompt) - 1)
-        rt.decode([prompt[-1]])
+        seq = default_engine._scheduler.slots[0].seq
+        seq.truncate(len(prompt) - 1)
+        seq.decode([prompt[-1]])
         cached = rt.logits_row(-1).copy()
     fresh = default_engine.logits(prompt)[-1]
     assert np.abs(cached - fresh).max() < 0.05 * np.abs(fresh).max()
@@ -213,7 +214,7 @@ def test_cancel_inside_a_long_prefill(default_model_path):
         done = gen.result()
         t.join()
         assert done.finish_reason == "cancelled" and done.tokens == []
-        assert len(engine._runtime.cached) < len(prompt)
+        assert len(engine._scheduler.slots[0].seq) < len(prompt)
         # and the engine still works, with what was cached so far reused correctly
         assert engine.generate("Hello", greedy(3)).result().finish_reason in ("length", "eos")
 
@@ -246,7 +247,7 @@ def test_same_request_twice_gives_the_same_answer(default_model_path):
         # After a decode that left no output row (as an aborted one does) there is nowhere to put
         # the row back: the last prompt token is decoded again, and the answer is still the same.
         with engine._slot.hold() as rt:  # white-box
-            rt.decode([answers[0][0]], logits_from=1)  # no row asks for logits
+            engine._scheduler.slots[0].seq.decode([answers[0][0]], logits_from=1)  # no row asks for logits
             with pytest.raises(IndexError):
                 rt.logits_row(-1)
         again = engine.chat(msgs, greedy(12)).result()

@@ -66,7 +66,7 @@ def run(engine, messages, opts):
     batch shapes): a cache that already holds this very prompt is that (its remembered last logits
     row gives the first token, nothing is decoded again); any other is reset."""
     prompt = engine.chat_tokens(messages)
-    if engine._runtime.cached[: len(prompt)] != prompt:  # white-box: what the cache holds
+    if engine._scheduler.slots[0].seq.cached[: len(prompt)] != prompt:  # white-box: what the cache holds
         engine.reset()
     return engine.chat(messages, opts).result()
 
@@ -78,9 +78,10 @@ def next_token_logits(engine) -> tuple[list[int], np.ndarray]:
     """White-box: what the engine's cache holds, and the logits its last cell gives (that token
     decoded again in place)."""
     with engine._slot.hold() as rt:
-        cached = list(rt.cached)
-        rt.truncate(len(cached) - 1)
-        rt.decode([cached[-1]])
+        seq = engine._scheduler.slots[0].seq
+        cached = list(seq.cached)
+        seq.truncate(len(cached) - 1)
+        seq.decode([cached[-1]])
         return cached, rt.logits_row(-1).copy()
 
 
@@ -161,14 +162,14 @@ def test_a_draft_model_catches_up_within_its_first_draft_decode(f16_engine, plai
     run(f16_engine, PROMPTS[2], greedy(4, spec))  # loads the draft model and measures its step cost
     target = f16_engine._runtime  # white-box: tell the draft model's decodes from the target's
     rows: list[int] = []
-    real_decode = LlamaRuntime.decode
+    real_decode = LlamaRuntime.decode_batch
 
-    def recording(self, tokens, logits_from=None):
-        if self is not target and len(tokens) <= 4:  # (the prompt's prefill is one long decode)
-            rows.append(len(tokens))
-        return real_decode(self, tokens, logits_from)
+    def recording(self, batch):
+        if self is not target and len(batch) <= 4:  # (the prompt's prefill is one long decode)
+            rows.append(len(batch))
+        return real_decode(self, batch)
 
-    monkeypatch.setattr(LlamaRuntime, "decode", recording)
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", recording)
     done = run(f16_engine, PROMPTS[2], greedy(N_GREEDY, spec))
     assert done.tokens == plain.tokens
     sp = done.stats.speculation

@@ -1,10 +1,15 @@
 """The engine: a loaded GGUF model and the requests run on it.
 
-    engine/__init__.py  Engine, load(): the public face
-    generation.py       the decode loop (Generation), one request's events
-    slot.py             one request at a time on the engine's llama.cpp context
+    engine/__init__.py  Engine, load(): the one-user face (one slot, stepped inline)
+    batch.py            BatchEngine: the serving face (N slots, a scheduler thread)
+    face.py             what both faces share: facts, text, request checks
+    scheduler.py        the scheduler core both faces step: admission, prefill, drafts, one decode
+    request.py          one request in the core: verification (both rules), commit, events
+    generation.py       Generation: Engine's handle on one request
+    sequence.py         one sequence of a context: its cached tokens, its saved logits
+    slot.py             one request at a time on Engine's context
     drafts.py           draft models of an engine: found, made (self-draft) and opened explicitly
-    speculation/        the speculation policy (pure) and the drafters it steers
+    speculation/        the speculation policy and the drafters it steers
     llama.py            a checked layer over llama-cpp-python's ctypes bindings
     options.py, events.py, sampler.py, text.py, chat.py
 """
@@ -12,7 +17,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -20,18 +25,19 @@ from typing import Any
 import numpy as np
 
 from ..cancel import CancelToken
-from ..errors import ContextLengthError, EngineClosedError, InvalidOptionError
+from ..errors import ContextLengthError, InvalidOptionError
 from ..gguf_file import GGUFInfo
 from ..store import ModelManifest, Store
 from ..validate import admit
-from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, Message, render_chat
+from .chat import Message
 from .drafts import DraftModels, ProgressCallback, TargetModel
-from .events import GenerationStats, SpeculationStats
-from .generation import Drafter, Generation
+from .face import ModelFace
+from .generation import Generation
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
+from .scheduler import Scheduler
 from .slot import RequestSlot
-from .speculation import CostModel, SpeculationContext, make_drafter, measure_costs
+from .speculation import CostModel, measure_costs
 
 __all__ = ["Engine", "Generation", "load"]
 
@@ -89,34 +95,26 @@ def _speculation_options(spec: SpeculationOptions | str) -> SpeculationOptions:
 class _EngineSpeculation:
     """The engine's side of speculation as a generation sees it (generation.SpeculationSource)."""
 
-    def __init__(self, context: SpeculationContext, drafts: DraftModels):
-        self.context = context
+    def __init__(self, runtime: LlamaRuntime, drafts: DraftModels):
+        self.runtime = runtime
         self.drafts = drafts
 
     def is_ready(self, spec: SpeculationOptions) -> bool:
-        # A recurrent target gets no drafter at all (make_drafter says why): nothing to prepare.
-        return self.context.target.facts.recurrent or self.drafts.is_ready(spec)
+        # A recurrent target gets no drafter at all (the face warns): nothing to prepare.
+        return self.runtime.facts.recurrent or self.drafts.is_ready(spec)
 
     def prepare(self, spec: SpeculationOptions, progress: ProgressCallback | None, cancel: CancelToken) -> None:
         if not self.is_ready(spec):
             self.drafts.prepare(spec, progress, cancel)
 
-    def drafter(self, spec: SpeculationOptions, stats: GenerationStats) -> Drafter | None:
-        speculation = SpeculationStats()
-        drafter = make_drafter(self.context, spec, speculation)
-        if drafter is not None:
-            speculation.method = drafter.method
-            stats.speculation = speculation
-        return drafter
 
+class Engine(ModelFace):
+    """A model loaded in llama.cpp with one context and one slot of the scheduler core.
 
-class Engine:
-    """A model loaded in llama.cpp with one context.
-
-    Thread safety: requests are serialized. One engine holds one llama.cpp context; a generation
-    takes the engine's lock when it starts running and releases it when it ends, so two threads
-    can share an engine safely — the second request waits for the first (and can be cancelled
-    while it waits). For truly parallel requests, load two engines (or a BatchEngine).
+    Thread safety: requests are serialized. A generation takes the engine's lock when it starts
+    running and releases it when it ends, so two threads can share an engine safely — the second
+    request waits for the first (and can be cancelled while it waits). For parallel requests, use
+    a BatchEngine (the same core with N slots, stepped by a thread).
 
     Misuse is an error, never a crash or a hang: calls after `close()` raise EngineClosedError,
     token ids are range-checked, a generation that is dropped or closed frees the engine at once,
@@ -137,102 +135,24 @@ class Engine:
         self.manifest = manifest
         self.options = options
         self.store = store or Store()
+        self._closed = False
         self._runtime = LlamaRuntime(self.path, options)
         self._slot = RequestSlot(self._runtime)
-        self._closed = False
-        self._costs: CostModel | None = None  # measured on the first speculative request
         self._drafts = DraftModels(TargetModel(self.name, self.path, info, manifest, self.store, options),
                                    self._runtime)
-        self._speculation = _EngineSpeculation(
-            SpeculationContext(target=self._runtime, costs=self._decode_costs, draft_runtime=self._drafts.runtime,
-                               name=self.name),
-            self._drafts,
-        )
-
-    # -- facts -----------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.manifest.ref if self.manifest else self.path.name
+        self._speculation = _EngineSpeculation(self._runtime, self._drafts)
+        self._scheduler = Scheduler(self._runtime, 1, self._stored_costs(), drafts=self._drafts.context,
+                                    abortable=True)
 
     @property
-    def n_vocab(self) -> int:
-        return self._runtime.facts.n_vocab
-
-    @property
-    def n_ctx(self) -> int:
-        return self._runtime.n_ctx
-
-    @property
-    def n_ctx_per_request(self) -> int:
-        """Positions one request may use (prompt + output): the whole context on one slot."""
-        return self._runtime.n_ctx
-
-    @property
-    def n_ctx_train(self) -> int:
-        return self._runtime.facts.n_ctx_train
-
-    @property
-    def threads(self) -> int:
-        """llama.cpp's threads now: LoadOptions.n_threads when pinned, else the cores that other
-        processes leave free, re-checked every few seconds while decoding (edgeinfer.cpu)."""
-        return self._runtime.threads
-
-    @property
-    def chat_template(self) -> str:
-        """The template `chat` renders with: the model's own (ChatML when it has none), unless
-        another was assigned, e.g. `engine.chat_template = "chatml"` when the model's is unusable."""
-        chosen = getattr(self, "_chosen_template", None)
-        if chosen is not None:
-            return chosen
-        tpl = self.info.metadata.get("tokenizer.chat_template")
-        return tpl if isinstance(tpl, str) and tpl.strip() else CHATML_TEMPLATE
-
-    @chat_template.setter
-    def chat_template(self, template: str) -> None:
-        if not isinstance(template, str) or not template.strip():
-            raise InvalidOptionError("a chat template must be a non-empty string (or 'chatml')")
-        self._chosen_template = BUILTIN_TEMPLATES.get(template, template)
-
-    # -- text ------------------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        self._check_open()
-        if not isinstance(text, str):
-            raise InvalidOptionError(f"text to tokenize must be a string, got {type(text).__name__}")
-        return self._runtime.tokenize(text, add_special, parse_special)
-
-    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
-        self._check_open()
-        ids = self._token_ids(tokens)
-        return b"".join(self._runtime.piece(t, special) for t in ids).decode("utf-8", errors="replace")
-
-    def token_text(self, token: int) -> str:
-        self._check_open()
-        return self._runtime.token_text(token)
-
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        self._check_open()
-        messages = self._messages(messages)
-        rt = self._runtime
-        bos = rt.token_text(rt.bos) if rt.bos >= 0 else ""
-        eos = rt.token_text(rt.eos) if rt.eos >= 0 else ""
-        return render_chat(self.chat_template, messages, bos, eos, name=self.name)
-
-    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
-        """The prompt tokens of a conversation, rendered with the model's own chat template."""
-        self._check_open()
-        rendered = self.render_chat(messages)
-        rt = self._runtime
-        bos_text = rt.token_text(rt.bos) if rt.bos >= 0 else ""
-        add_bos = rt.add_bos and not (bos_text and rendered.startswith(bos_text))
-        tokens = rt.tokenize(rendered, False, True)
-        return ([rt.bos] if add_bos else []) + tokens
+    def closed(self) -> bool:
+        return self._closed
 
     # -- requests --------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None) -> Generation:
         """Raw completion of a prompt (text, or token ids used as they are)."""
         self._check_open()
-        tokens = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
-        return self._start(tokens, options)
+        return self._start(self._prompt_ids(prompt), options)
 
     def chat(
         self,
@@ -270,92 +190,36 @@ class Engine:
         yielding the same events before its first token. Safe to call from any thread.
         """
         self._check_open()
-        spec = _speculation_options(speculation)
-        self._speculation.prepare(spec, progress, cancel)
+        self._speculation.prepare(_speculation_options(speculation), progress, cancel)
 
     def _start(self, tokens: list[int], options: GenerateOptions | None) -> Generation:
-        self._check_open()
-        if options is not None and not isinstance(options, GenerateOptions):
-            raise InvalidOptionError(f"options must be GenerateOptions, got {type(options).__name__}")
-        options = (options or GenerateOptions()).validate()
-        if not tokens:
-            raise InvalidOptionError("the prompt is empty")
-        if len(tokens) >= self.n_ctx:
-            raise ContextLengthError(
-                f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}; "
-                "shorten it or load with a larger context (--ctx)"
-            )
-        if options.sampling.top_k > self.n_vocab:
-            raise InvalidOptionError(f"top_k must be at most the vocabulary size ({self.n_vocab}), "
-                                     f"got {options.sampling.top_k}")
+        options = self.check_request(tokens, options)
         speculation = None if options.speculation.method == "off" else self._speculation
-        return Generation(self._slot, tokens, options, speculation)
+        return Generation(self._slot, self._scheduler, tokens, options, speculation)
 
-    def _token_ids(self, tokens: Sequence[int]) -> list[int]:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-            raise InvalidOptionError(f"token ids must be a sequence of integers, got {type(tokens).__name__}")
-        return [self._runtime.check_token(t) for t in tokens]
-
-    @staticmethod
-    def _messages(messages: Sequence[Message]) -> list[Message]:
-        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
-            raise InvalidOptionError("messages must be a list of {'role': ..., 'content': ...} dicts, "
-                                     f"got {type(messages).__name__}")
-        msgs = list(messages)
-        for m in msgs:
-            if not isinstance(m, Mapping):
-                raise InvalidOptionError(f"each chat message must be a dict, got {type(m).__name__}")
-        return msgs
-
-    def _decode_cost_key(self) -> str:
-        o = self.options
-        return (f"v3|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}"
-                f"|{'/'.join(o.kv_types)}|fa{o.flash_attn}")
-
-    def _decode_costs(self, prompt: Sequence[int]) -> CostModel:
-        """Decode times by batch size and depth for this model on this machine: what `edgeinfer
-        bench` measured (kept in the store's cache), else a prior from the model's size. Either
-        way the policy then learns from the steps it takes, so no request pays for measuring."""
-        if self._costs is not None:
-            return self._costs
-        known = self.store.read_cache("decode-costs", self._decode_cost_key())
-        if isinstance(known, dict):
-            try:
-                self._costs = CostModel.from_dict(known)
-            except (ValueError, TypeError, ZeroDivisionError):
-                log.debug("ignoring an unusable decode-cost entry for %s", self.name)
-        if self._costs is None:
-            f = self._runtime.facts
-            self._costs = CostModel.prior(f.size_bytes, f.n_layer, f.n_embd)
-        return self._costs
-
+    # -- the cost curve --------------------------------------------------------------------------
     def measure_decode_costs(self, tokens: Sequence[int], *, depths: Sequence[int] = (64, 1024), reps: int = 3,
                              save: bool = True) -> CostModel:
         """Measure the batch cost curve at two context depths (what speculation's policy plans
         with) and use it from now on; `save` keeps it in the store for this model, thread count
-        and KV type (see save_decode_costs). Clears the cache. `tokens`: any text's tokens to
-        fill the context with."""
+        and KV type. Clears the cache. `tokens`: any text's tokens to fill the context with."""
         with self._slot.hold():
-            self._costs = measure_costs(self._runtime, tokens, depths, reps)
+            costs = measure_costs(self._scheduler.slots[0].seq, tokens, depths, reps)
+            self._scheduler.costs = costs
         if save:
             self.save_decode_costs()
-        return self._costs
+        return costs
 
     def save_decode_costs(self) -> None:
         """Keep the measured cost curve in the store (a prior is never kept: it is no fact)."""
-        if self._costs is None or self._costs.is_prior:
-            return
-        try:
-            self.store.write_cache("decode-costs", self._decode_cost_key(), self._costs.to_dict())
-        except OSError as e:
-            log.debug("decode costs not remembered: %s", e)
+        self._remember_costs(self._scheduler.costs)
 
     def reset(self) -> None:
         """Forget the cached prompt, so the next request starts from an empty KV cache (a request
         normally re-uses the longest prefix it shares with the previous one)."""
         self._check_open()
-        with self._slot.hold() as rt:
-            rt.clear()
+        with self._slot.hold():
+            self._scheduler.slots[0].seq.clear()
 
     # -- evaluation ------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:
@@ -369,27 +233,20 @@ class Engine:
             raise ContextLengthError(f"{len(tokens)} tokens do not fit in the context ({self.n_ctx})")
         out = np.empty((len(tokens) - start, self.n_vocab), dtype=np.float32)
         with self._slot.hold() as rt:
-            rt.clear()
+            seq = self._scheduler.slots[0].seq
+            seq.clear()
             for s in range(0, len(tokens), rt.n_batch):
                 chunk = tokens[s : s + rt.n_batch]
                 first = max(start - s, 0)
                 if first >= len(chunk):
-                    rt.decode(chunk)
+                    seq.decode(chunk)
                     continue
-                rt.decode(chunk, logits_from=first)
+                seq.decode(chunk, logits_from=first)
                 for i in range(first, len(chunk)):
                     out[s + i - start] = rt.logits_row(i)
         return out
 
     # -- lifecycle -------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError(f"this engine ({self.name}) is closed")
-
     def close(self) -> None:
         """Free the model and context. A generation in progress is cancelled (and closed when
         suspended); one running in another thread stops at its next step, which close waits for.
@@ -411,4 +268,3 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.name!r}, n_ctx={self.n_ctx})"
-

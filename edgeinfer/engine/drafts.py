@@ -22,7 +22,7 @@ from ..validate import admit
 from .events import SpeculationProgress
 from .llama import LlamaRuntime
 from .options import LoadOptions, SpeculationOptions
-from .speculation import check_draft_compatible
+from .speculation.draft_model import DraftContext, check_draft_compatible
 
 __all__ = ["DraftModels", "TargetModel", "ProgressCallback"]
 
@@ -54,12 +54,14 @@ def draft_key(spec: SpeculationOptions) -> tuple[str, str] | None:
 
 
 class DraftModels:
-    """Draft-model runtimes by (kind, model), made ready by `prepare` and served by `runtime`."""
+    """Draft-model contexts by (kind, model), made ready by `prepare` and served by `context`; each
+    has one sequence per slot of the engine (sequence id = slot)."""
 
-    def __init__(self, target: TargetModel, target_runtime: LlamaRuntime):
+    def __init__(self, target: TargetModel, target_runtime: LlamaRuntime, n_slots: int = 1):
         self.target = target
         self._target_rt = target_runtime
-        self._runtimes: dict[tuple[str, str], LlamaRuntime] = {}
+        self._n_slots = n_slots
+        self._runtimes: dict[tuple[str, str], DraftContext] = {}
         self._prepare_lock = threading.Lock()  # one preparation at a time (a quantization uses every core)
         self._lock = threading.Lock()  # guards _runtimes and _closed (close() never waits for a preparation)
         self._closed = False
@@ -68,10 +70,12 @@ class DraftModels:
         key = draft_key(spec)
         return key is None or key in self._runtimes
 
-    def runtime(self, spec: SpeculationOptions) -> LlamaRuntime:
-        """The prepared runtime of the draft model `spec` names (the drafters' factory)."""
+    def context(self, spec: SpeculationOptions) -> DraftContext | None:
+        """The prepared draft context `spec` needs (None: it needs none, e.g. lookup)."""
         key = draft_key(spec)
-        if key is None or key not in self._runtimes:
+        if key is None:
+            return None
+        if key not in self._runtimes:
             raise SpeculationError(f"the draft model for {spec.method} speculation was not prepared")
         return self._runtimes[key]
 
@@ -106,13 +110,14 @@ class DraftModels:
                 except BaseException:
                     rt.close()
                     raise
-                self._runtimes[key] = rt
+                self._runtimes[key] = DraftContext(rt, self._n_slots, "draft" if key[0] == "draft" else label)
             report(SpeculationProgress("ready", f"draft model {label} ready"))
 
     def _open(self, path: Path) -> LlamaRuntime:
         admit(path, self.target.store)  # validated, and loaded once in a child, like any model
         o = self.target.options
-        return LlamaRuntime(path, LoadOptions(n_ctx=self._target_rt.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch))
+        return LlamaRuntime(path, LoadOptions(n_ctx=self._target_rt.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch),
+                            n_seq_max=self._n_slots)
 
     def _self_draft(self, quant: str, report: ProgressCallback, cancel: CancelToken) -> Path:
         """A quantized copy of the target: from the store, or made by the quantizer on first use."""
@@ -145,6 +150,6 @@ class DraftModels:
         """Free every draft runtime; a preparation still running frees what it opens."""
         with self._lock:
             self._closed = True
-            for rt in self._runtimes.values():
-                rt.close()
+            for context in self._runtimes.values():
+                context.runtime.close()
             self._runtimes.clear()

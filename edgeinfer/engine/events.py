@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 __all__ = [
     "TokenEvent",
+    "ScoredTokenEvent",
     "DoneEvent",
     "SpeculationProgress",
     "PrefillProgress",
@@ -79,6 +80,15 @@ class TokenEvent:
     drafted: bool = False
 
 
+@dataclass(frozen=True)
+class ScoredTokenEvent(TokenEvent):
+    """A TokenEvent with the model's log-probability of the token (before sampling settings) and
+    the `top` most likely alternatives as (token, logprob), when the request asked for them."""
+
+    logprob: float = 0.0
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class SpeculationStats:
     method: str = "off"
@@ -135,7 +145,8 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the previous request's KV cache
     generated_tokens: int = 0
-    ttft_s: float = 0.0  # request start to first generated token (includes prefill)
+    ttft_s: float = 0.0  # request queued to first generated token (waiting for a slot and prefill included)
+    queue_s: float = 0.0  # waiting for a slot (another request held the engine, or every slot was busy)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first token to last token
     speculation: SpeculationStats | None = None
@@ -158,6 +169,7 @@ class GenerationStats:
             "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "ttft_s": round(self.ttft_s, 6),
+            "queue_s": round(self.queue_s, 6),
             "prefill_tok_s": round(self.prefill_tok_s, 3),
             "decode_tok_s": round(self.decode_tok_s, 3),
         }

@@ -8,6 +8,7 @@ request may use: the whole context on Engine, a slot's share on BatchEngine).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -17,8 +18,11 @@ from ..store import ModelManifest, Store
 from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions
+from .speculation.policy import CostModel
 
 __all__ = ["ModelFace"]
+
+log = logging.getLogger(__name__)
 
 
 class ModelFace:
@@ -130,6 +134,34 @@ class ModelFace:
         self._check_open()
         return chat_tokens(self.chat_template, self._messages(messages), self._vocab(), name=self.name)
 
+    # -- the cost curve (kept in the store per model file, threads, batch and KV cache) ----------
+    def _cost_key(self) -> str:
+        o = self.options
+        return (f"v3|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}"
+                f"|{'/'.join(o.kv_types)}|fa{o.flash_attn}")
+
+    def _stored_costs(self) -> CostModel:
+        """The curve `edgeinfer bench` (or a server's idle calibration) measured and kept in the
+        store, else a prior from the model's size. Either way the policy then learns from the
+        steps it takes, so no request pays for measuring."""
+        known = self.store.read_cache("decode-costs", self._cost_key())
+        if isinstance(known, dict):
+            try:
+                return CostModel.from_dict(known)
+            except (ValueError, TypeError, ZeroDivisionError):
+                log.debug("ignoring an unusable decode-cost entry for %s", self.name)
+        f = self._runtime.facts
+        return CostModel.prior(f.size_bytes, f.n_layer, f.n_embd)
+
+    def _remember_costs(self, costs: CostModel) -> None:
+        """Keep a measured curve in the store (a prior is never kept: it is no fact)."""
+        if costs.is_prior:
+            return
+        try:
+            self.store.write_cache("decode-costs", self._cost_key(), costs.to_dict())
+        except OSError as e:
+            log.debug("decode costs not remembered: %s", e)
+
     # -- checks ----------------------------------------------------------------------------------
     def _token_ids(self, tokens: Sequence[int]) -> list[int]:
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
@@ -157,9 +189,11 @@ class ModelFace:
             raise InvalidOptionError("the prompt is empty")
         limit = self.n_ctx_per_request
         if len(tokens) >= limit:
-            split = f" (context {self.n_ctx} split between {self._slots_count()} slots: raise --ctx or lower " \
-                    "--parallel)" if self._slots_count() > 1 else "; shorten it or load with a larger context (--ctx)"
-            raise ContextLengthError(f"the prompt is {len(tokens)} tokens but a request can use {limit}{split}")
+            n = self._slots_count()
+            where = (f"a request can use {limit} (context {self.n_ctx} split between {n} slots: raise --ctx or "
+                     "lower --parallel)") if n > 1 else f"the context holds {limit}; shorten it or load with a " \
+                "larger context (--ctx)"
+            raise ContextLengthError(f"the prompt is {len(tokens)} tokens but {where}")
         if options.sampling.top_k > self.n_vocab:
             raise InvalidOptionError(f"top_k must be at most the vocabulary size ({self.n_vocab}), "
                                      f"got {options.sampling.top_k}")

@@ -18,19 +18,56 @@ from typing import Any
 import numpy as np
 
 from ..cpu import ThreadGovernor
-from ..errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError, SpeculationError
+from ..errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError
 from ..kv_types import KV_CACHE_TYPES, flash_attn_for
 from ..llama_backend import backend, log_capture
 from .options import LoadOptions
 
 # backend and log_capture live in edgeinfer.llama_backend; re-exported for existing callers.
-__all__ = ["LlamaRuntime", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields"]
+__all__ = ["LlamaRuntime", "DecodeRows", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields"]
 
 _FLASH_ATTN = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto / disabled / enabled
 
 
 class DecodeAborted(Exception):
     """llama_decode returned early because the abort callback asked it to (a cancel)."""
+
+
+class DecodeRows:
+    """The rows of one llama_decode: token, position, sequence, whether logits are wanted."""
+
+    __slots__ = ("tokens", "positions", "seqs", "logits")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.seqs: list[int] = []
+        self.logits: list[bool] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append a row; returns its index (the row to read logits from)."""
+        self.tokens.append(token)
+        self.positions.append(pos)
+        self.seqs.append(seq)
+        self.logits.append(logits)
+        return len(self.tokens) - 1
+
+    def extend(self, tokens: Sequence[int], start: int, seq: int, logits_from: int | None) -> None:
+        """Rows for `tokens` at positions start.. of `seq`; logits from index `logits_from` of them
+        on (None: none)."""
+        for i, t in enumerate(tokens):
+            self.add(t, start + i, seq, logits_from is not None and i >= logits_from)
+
+    def starts(self) -> dict[int, int]:
+        """The first position each sequence of the batch writes."""
+        out: dict[int, int] = {}
+        for seq, pos in zip(self.seqs, self.positions):
+            if pos < out.get(seq, pos + 1):
+                out[seq] = pos
+        return out
 
 
 # -- ctypes structs ----------------------------------------------------------------------------------
@@ -85,10 +122,10 @@ class ModelFacts:
 
 
 class LlamaRuntime:
-    """One model, one context (sequence 0), one reusable batch.
+    """One model, one context, one reusable batch; no per-sequence state (engine/sequence.py).
 
     With n_seq_max > 1 the context holds that many sequences in one unified KV cache (any mix of
-    sequences decodes as one ubatch); `decode_rows` and `seq_rm` address them (BatchEngine)."""
+    sequences decodes as one ubatch)."""
 
     def __init__(self, path: Path, options: LoadOptions, n_seq_max: int = 1):
         ll = backend()
@@ -100,7 +137,7 @@ class LlamaRuntime:
         self._governor = ThreadGovernor(self._set_threads) if options.pinned_threads is None else None
         if self._governor is not None:
             self._governor.start()  # the load's duration is the first sample window
-        mparams = set_fields(ll.llama_model_default_params(), n_gpu_layers=0, load_mode=ll.LLAMA_LOAD_MODE_MMAP)
+        mparams = options.model_params(ll, path)  # placement: edgeinfer.devices
         said: list[str] = []
         with log_capture(lambda _level, text: said.append(text)):
             self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
@@ -161,11 +198,6 @@ class LlamaRuntime:
         except BaseException:
             self.close()
             raise
-        # Tokens whose keys/values are in the cache, in order (positions 0..len-1).
-        self.cached: list[int] = []
-        # (prompt length, logits row after the prompt) of the last request; valid while the
-        # cache still holds that prompt.
-        self.prompt_logits: tuple[int, np.ndarray] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -276,97 +308,53 @@ class LlamaRuntime:
         self._check_open()
         return int(self._ll.llama_vocab_type(self.vocab))
 
-    # -- KV cache --------------------------------------------------------------------------------
-    def truncate(self, n_keep: int) -> None:
-        """Drop every cached position >= n_keep (a rejected draft suffix, a changed prompt)."""
-        if n_keep >= len(self.cached):
-            return
-        if self.prompt_logits is not None and n_keep < self.prompt_logits[0]:
-            self.prompt_logits = None
-        if n_keep <= 0:
-            self._ll.llama_memory_clear(self.memory, True)
-        elif not self._ll.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
-            raise SpeculationError(f"{self.path.name}: this model's memory cannot drop a suffix (recurrent/hybrid)")
-        del self.cached[n_keep:]
+    # -- KV cache ------------------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int) -> bool:
+        """Drop positions >= p0 of sequence `seq` from the KV cache. False when the model's memory
+        cannot drop a suffix (recurrent/hybrid: only a whole sequence can go, p0 = 0)."""
+        self._check_open()
+        return bool(self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1))
 
     def clear(self) -> None:
+        """Empty the whole KV cache (every sequence)."""
+        self._check_open()
         self._ll.llama_memory_clear(self.memory, True)
-        self.cached.clear()
-        self.prompt_logits = None
 
     # -- decoding --------------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], logits_from: int | None = None) -> int:
-        """Append tokens to the cache in one llama_decode (len <= n_batch).
+    def decode_batch(self, rows: DecodeRows) -> None:
+        """One llama_decode of `rows` (len <= n_batch), which may belong to different sequences.
 
-        Logits are requested for batch rows logits_from.. (None: only the last row); read the
-        row of batch index i with `logits_row(i)` (-1: the last one). Returns the first row with logits.
-        """
+        The caller tracks what each sequence holds. On an abort (the abort callback, inside
+        `abortable()`) every position the batch wrote is removed again and DecodeAborted (or the
+        KeyboardInterrupt that caused it) is raised; rc 1 (no room) is a ContextLengthError."""
         self._check_open()
-        n = len(tokens)
-        if n == 0 or n > self.n_batch:
-            raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
-        start = len(self.cached)
-        if start + n > self.n_ctx:
-            raise ContextLengthError(f"the context is full ({self.n_ctx} tokens)")
-        first_out = n - 1 if logits_from is None else logits_from
-        b = self.batch
-        for i, t in enumerate(tokens):
-            b.token[i] = t
-            b.pos[i] = start + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i >= first_out
-        b.n_tokens = n
-        if self._governor is not None:
-            self._governor.check()
-        rc = self._ll.llama_decode(self.ctx, b)
-        if rc != 0:
-            if rc == 2 or self.abort_flag.is_set():
-                # An aborted decode may have written part of the batch: forget what we cannot trust.
-                self._ll.llama_memory_seq_rm(self.memory, 0, start, -1)
-                if self._interrupted:
-                    self._interrupted = False
-                    raise KeyboardInterrupt
-                raise DecodeAborted()
-            if rc == 1:
-                raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")
-            raise InvalidModelError(f"llama_decode failed with code {rc}")
-        self.cached.extend(tokens)
-        return first_out
-
-    def decode_rows(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
-                    logits: Sequence[bool]) -> None:
-        """One llama_decode of rows that may belong to different sequences (len <= n_batch).
-        Positions and the sequences' caches are the caller's to track (`cached` is untouched)."""
-        self._check_open()
-        n = len(tokens)
+        n = len(rows)
         if n == 0 or n > self.n_batch:
             raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
         b = self.batch
         for i in range(n):
-            b.token[i] = tokens[i]
-            b.pos[i] = positions[i]
+            b.token[i] = rows.tokens[i]
+            b.pos[i] = rows.positions[i]
             b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seqs[i]
-            b.logits[i] = logits[i]
+            b.seq_id[i][0] = rows.seqs[i]
+            b.logits[i] = rows.logits[i]
         b.n_tokens = n
         if self._governor is not None:
             self._governor.check()
         rc = self._ll.llama_decode(self.ctx, b)
+        if rc == 0:
+            return
+        if rc == 2 or self.abort_flag.is_set():
+            # An aborted decode may have written part of the batch: forget what we cannot trust.
+            for seq, p0 in rows.starts().items():
+                self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1)
+            if self._interrupted:
+                self._interrupted = False
+                raise KeyboardInterrupt
+            raise DecodeAborted()
         if rc == 1:
             raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")
-        if rc != 0:
-            raise InvalidModelError(f"llama_decode failed with code {rc}")
-
-    def seq_rm(self, seq: int, p0: int) -> None:
-        """Drop positions >= p0 of sequence `seq` from the KV cache."""
-        if not self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1):
-            raise SpeculationError(f"{self.path.name}: this model's memory cannot drop a suffix (recurrent/hybrid)")
-
-    def decode_all(self, tokens: Sequence[int]) -> None:
-        """Decode any number of tokens in n_batch chunks; logits for the last row only."""
-        for s in range(0, len(tokens), self.n_batch):
-            self.decode(tokens[s : s + self.n_batch])
+        raise InvalidModelError(f"llama_decode failed with code {rc}")
 
     def logits_row(self, i: int) -> np.ndarray:
         """Zero-copy float32 view of the logits of batch row i of the last decode (-1: last output),

@@ -1,37 +1,35 @@
 """Speculative decoding: a pure policy and the drafters it steers.
 
-A drafter proposes tokens; the decode loop (engine/generation.py) verifies them in one
-`llama_decode` and keeps those the target itself samples, so output never changes — only speed.
+A drafter proposes tokens; the scheduler core (engine/scheduler.py) sizes every request's draft of
+a step together, verifies them in one `llama_decode` and keeps those the target itself samples
+(engine/request.py), so output never changes — only speed.
 
-    policy.py       cost model, acceptance model, draft-length policy (pure Python)
-    lookup.py       prompt lookup: n-gram index and its drafter (pure Python)
-    draft_model.py  a second model drafting in its own context; vocabulary compatibility
-    calibration.py  the target's measured decode cost by batch size
-    drafter.py      SpeculationContext (what drafters get from the engine) and a request's drafter
-
-Nothing here reads the engine's state or makes models: the engine passes a SpeculationContext
-(target runtime, cost model, a draft-runtime factory) and prepares draft models itself.
+    policy.py       cost model, acceptance model, length policy, the batch's draft plan (pure Python)
+    lookup.py       prompt lookup: the n-gram index (pure Python)
+    draft_model.py  a second model drafting in its own context, one sequence per slot
+    calibration.py  the target's measured decode cost by batch size, kept in the store
+    drafter.py      one request's speculation: its proposals and what it learns
 """
 
 from __future__ import annotations
 
 from .calibration import calibrate_costs, fit_costs, measure_costs
-from .draft_model import ModelDrafter, check_draft_compatible, relative_draft_cost
-from .drafter import AutoDrafter, RequestDrafter, SpeculationContext, make_drafter
+from .draft_model import DraftContext, ModelDrafter, check_draft_compatible, relative_draft_cost
+from .drafter import Proposal, RequestSpeculation
 from .lookup import LookupDrafter, NgramIndex
-from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost
+from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost, plan_drafts
 
 __all__ = [
     "CostModel",
     "AcceptanceModel",
     "LengthPolicy",
+    "plan_drafts",
     "NgramIndex",
     "LookupDrafter",
+    "DraftContext",
     "ModelDrafter",
-    "AutoDrafter",
-    "RequestDrafter",
-    "SpeculationContext",
-    "make_drafter",
+    "Proposal",
+    "RequestSpeculation",
     "check_draft_compatible",
     "relative_draft_cost",
     "calibrate_costs",

@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-
-from ..llama import LlamaRuntime
+from collections.abc import Callable, Sequence
+from ...errors import ContextLengthError
+from ..llama import DecodeAborted, LlamaRuntime
+from ..sequence import KVSequence
 from .policy import CALIBRATION_SIZES, CostModel
 
-__all__ = ["calibrate_costs", "measure_costs", "fit_costs"]
+__all__ = ["calibrate_costs", "measure_costs", "fit_costs", "IdleCalibration", "IDLE_SIZES"]
 
 
-def calibrate_costs(rt: LlamaRuntime, sample_tokens: Sequence[int], reps: int = 2) -> CostModel:
-    """Time decodes of each batch size right after the prompt (fastest of `reps`: other load
-    only ever slows a decode down), then drop them again."""
-    base = len(rt.cached)
+
+def calibrate_costs(seq: KVSequence, sample_tokens: Sequence[int], reps: int = 2) -> CostModel:
+    """Time decodes of each batch size after what `seq` holds (fastest of `reps`: other load only
+    ever slows a decode down), then drop them again."""
+    rt = seq.runtime
+    base = len(seq)
     pool = list(sample_tokens) or [rt.bos if rt.bos >= 0 else 0]
 
     def timed(b: int) -> float:
         toks = [pool[i % len(pool)] for i in range(b)]
         t0 = time.perf_counter()
-        rt.decode(toks, logits_from=0)
+        seq.decode(toks, logits_from=0)
         dt = time.perf_counter() - t0
-        rt.truncate(base)
+        seq.truncate(base)
         return dt
 
     best: dict[int, float] = {}
@@ -35,28 +38,29 @@ def calibrate_costs(rt: LlamaRuntime, sample_tokens: Sequence[int], reps: int = 
     return CostModel(best)
 
 
-def measure_costs(rt: LlamaRuntime, tokens: Sequence[int], depths: Sequence[int] = (64, 1024),
-                  reps: int = 3) -> CostModel:
+def measure_costs(seq: KVSequence, tokens: Sequence[int], depths: Sequence[int] = (64, 1024),
+                  reps: int = 3, sizes: Sequence[int] = CALIBRATION_SIZES) -> CostModel:
     """The full curve for `edgeinfer bench`: every calibration size at two context depths (median
     of `reps`, sizes alternating so load affects them alike), fitted to t1 · (ρ(b) + α · b · d).
-    The cache is cleared before and after. `tokens` fill the context (repeated as needed)."""
+    The sequence is cleared before and after. `tokens` fill the context (repeated as needed)."""
+    rt: LlamaRuntime = seq.runtime
     pool = list(tokens) or [rt.bos if rt.bos >= 0 else 0]
-    sizes = [b for b in CALIBRATION_SIZES if b <= rt.n_batch]
+    sizes = [b for b in sizes if b <= rt.n_batch]
     depths = sorted({min(d, rt.n_ctx - max(sizes) - 1) for d in depths})
     seconds: dict[int, dict[int, float]] = {}
     for d in depths:
-        rt.clear()
-        rt.decode_all([pool[i % len(pool)] for i in range(d)])
+        seq.clear()
+        seq.decode_all([pool[i % len(pool)] for i in range(d)])
         runs: dict[int, list[float]] = {b: [] for b in sizes}
         for _ in range(reps):
             for b in sizes:
                 batch = [pool[(d + i) % len(pool)] for i in range(b)]
                 t0 = time.perf_counter()
-                rt.decode(batch, logits_from=0)
+                seq.decode(batch, logits_from=0)
                 runs[b].append(time.perf_counter() - t0)
-                rt.truncate(d)
+                seq.truncate(d)
         seconds[d] = {b: sorted(v)[len(v) // 2] for b, v in runs.items()}
-    rt.clear()
+    seq.clear()
     return fit_costs(seconds)
 
 
@@ -75,3 +79,65 @@ def fit_costs(seconds: dict[int, dict[int, float]]) -> CostModel:
     w = {b: sum(seconds[d][b] - c * b * d for d in depths) / len(depths) for b in sizes}
     w = {b: max(t, 1e-6) for b, t in w.items()}
     return CostModel(w, attention=c / w[1] if 1 in w else 0.0)
+
+
+# Sizes the idle calibration times: the drafting sizes, then up to a full ubatch for the prefill budget.
+IDLE_SIZES = CALIBRATION_SIZES + (48, 64, 96, 128, 192, 256, 384, 512)
+_IDLE_REPS = 2  # each size twice, the faster kept: other load only ever slows a decode down
+
+
+class IdleCalibration:
+    """A server's cost curve, measured while no request runs: one decode at a time, on a sequence
+    no slot uses, interruptible at once (the runtime's abort callback) when a request arrives.
+    The results go into the live CostModel (`adopt`) when every size has been timed."""
+
+    def __init__(self, runtime: LlamaRuntime, seq_id: int, costs: CostModel, cells: Callable[[], int]):
+        self.seq = KVSequence(runtime, seq_id)
+        self.costs = costs
+        self.cells = cells  # cells the slots' caches hold now (every row attends over them)
+        sizes = [b for b in IDLE_SIZES if b <= runtime.n_batch]
+        self.todo = [b for _ in range(_IDLE_REPS) for b in sizes]
+        self.best: dict[int, float] = {}
+        self.depth = 0
+        self.armed = False  # a decode is under way: a submit should abort it
+
+    @staticmethod
+    def needed(costs: CostModel, n_batch: int) -> bool:
+        return not all(costs.is_measured(b) for b in IDLE_SIZES if b <= n_batch)
+
+    def pending(self) -> bool:
+        return bool(self.todo)
+
+    def interrupt(self) -> None:
+        self.seq.runtime.abort_flag.set()
+
+    def step(self, stop: Callable[[], bool]) -> None:
+        """Time the next size (unless `stop()` says a request is waiting)."""
+        rt = self.seq.runtime
+        rt.abort_flag.clear()
+        if stop() or not self.todo:
+            return
+        b = self.todo[0]
+        n_vocab = rt.facts.n_vocab
+        tokens = [(7919 * i + 13) % n_vocab for i in range(b)]
+        self.depth = self.cells()
+        t0 = time.perf_counter()
+        try:
+            with rt.abortable():
+                self.seq.decode(tokens, logits_from=0)
+        except DecodeAborted:
+            return  # a request came: this size is timed again later
+        except ContextLengthError:
+            self.todo = [s for s in self.todo if s < b]  # no room for this many cells now
+            return
+        finally:
+            rt.abort_flag.clear()
+        seconds = time.perf_counter() - t0
+        self.seq.clear()
+        self.todo.pop(0)
+        self.best[b] = min(self.best.get(b, float("inf")), seconds)
+        if not self.todo:
+            self.costs.adopt(self.best, depth=self.depth)
+
+    def summary(self) -> str:
+        return ", ".join(f"{b}:{t * 1e3:.1f}ms" for b, t in sorted(self.best.items()))

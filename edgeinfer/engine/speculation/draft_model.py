@@ -1,20 +1,23 @@
-"""Drafting with a second, cheaper model (another model of the same vocabulary, or a quantized
-copy of the target): its own llama.cpp context, kept in step with the target's."""
+"""Drafting with a second, cheaper model (another model of the same vocabulary, or a quantized copy
+of the target): one context for every slot of an engine, sequence id = slot, kept in step with
+the target's sequences; the drafts of every request of a step come from the same decodes."""
 
 from __future__ import annotations
 
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...errors import IncompatibleDraftError
-from ..llama import LlamaRuntime
+from ..llama import DecodeRows, LlamaRuntime
 from ..sampler import Sampler, TokenDistribution, sampling_distribution
-from .policy import LengthPolicy
+from ..sequence import KVSequence, common_prefix
+from .policy import CostModel, LengthPolicy
 
-__all__ = ["ModelDrafter", "check_draft_compatible", "relative_draft_cost"]
+__all__ = ["DraftContext", "DraftJob", "ModelDrafter", "check_draft_compatible", "relative_draft_cost"]
 
 # llama.cpp's own compatibility rule for a draft vocabulary (common/speculative.cpp).
 _VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -47,157 +50,166 @@ def check_draft_compatible(target: LlamaRuntime, draft: LlamaRuntime, draft_name
 _relative_step_cache: weakref.WeakKeyDictionary[LlamaRuntime, float] = weakref.WeakKeyDictionary()
 
 
-def relative_draft_cost(target: LlamaRuntime, draft: LlamaRuntime, prompt: Sequence[int], reps: int = 3) -> float:
+def relative_draft_cost(target: KVSequence, draft: KVSequence, reps: int = 3) -> float:
     """One draft-model decode in target decodes, measured once per draft runtime, each model's
-    fastest of `reps` one-token decodes, alternating so both see the same machine. The draft
-    measures after a short prefix (its cache is cleared: it catches up when it first drafts);
-    the target after the prompt (called once its first token is sampled, so the logits it
-    overwrites are no longer needed)."""
-    if draft in _relative_step_cache:
-        return _relative_step_cache[draft]
-    prefix = list(prompt[:8]) or [draft.bos if draft.bos >= 0 else 0]
-    draft.clear()
-    draft.decode(prefix)
-    base = len(target.cached)
-    last = target.cached[-1] if target.cached else prefix[-1]
+    fastest of `reps` one-token decodes, alternating so both see the same machine. Each decode
+    goes after what its sequence holds and is removed again (the target's after the prompt, once
+    its first token is sampled: the logits it overwrites are no longer needed)."""
+    if draft.runtime in _relative_step_cache:
+        return _relative_step_cache[draft.runtime]
+    if not target.cached:
+        return 0.3  # nothing to measure after: a guess until drafting measures it
+    d_base = len(draft.cached)
+    d_last = draft.cached[-1] if draft.cached else target.cached[0]
+    t_base, t_last = len(target.cached), target.cached[-1]
     best_t = best_d = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        target.decode([last])
+        target.decode([t_last])
         best_t = min(best_t, time.perf_counter() - t0)
-        target.truncate(base)
+        target.truncate(t_base)
         t0 = time.perf_counter()
-        draft.decode([prefix[-1]])
+        draft.decode([d_last])
         best_d = min(best_d, time.perf_counter() - t0)
-        draft.truncate(len(prefix))
-    _relative_step_cache[draft] = best_d / best_t
+        draft.truncate(d_base)
+    _relative_step_cache[draft.runtime] = best_d / best_t
     return best_d / best_t
 
 
+@dataclass
+class DraftJob:
+    """One request's drafting in a step: up to `k` tokens after `history`, argmax or sampled from
+    q with `sampler` (its settings and RNG); `p_min` stops a draft whose top token is unsure."""
+
+    slot: int
+    history: Sequence[int]
+    k: int
+    sampler: Sampler | None = None
+    p_min: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    qs: list[TokenDistribution] = field(default_factory=list)  # q of each token when sampled
+    seconds: float = 0.0  # its share of the drafting decodes
+
+
+class DraftContext:
+    """A draft model's runtime shared by an engine's slots: sequence i is slot i's."""
+
+    def __init__(self, runtime: LlamaRuntime, n_slots: int, method: str = "draft"):
+        self.runtime = runtime
+        self.method = method
+        self.seqs = [KVSequence(runtime, i) for i in range(n_slots)]
+        f = runtime.facts
+        # Seconds of one draft decode by rows: a prior from its size, learned from its decodes.
+        self.costs = CostModel.prior(f.size_bytes, f.n_layer, f.n_embd)
+
+    def _sync(self, seq: KVSequence, history: Sequence[int], tail: int) -> list[int]:
+        """Make the sequence hold `history` but for its last `tail` tokens at most (always at least
+        the last one), and return those for the next draft decode: they enter with the token it
+        drafts from in one batch, not one decode per token it fell behind."""
+        keep = common_prefix(seq.cached, history[:-1])
+        keep = seq.truncate(keep)
+        split = max(keep, len(history) - tail)
+        seq.decode_all(list(history[keep:split]))
+        return list(history[split:])
+
+    def draft(self, jobs: list[DraftJob]) -> None:
+        """Fill each job's tokens (and q's): the k-th draft tokens of all jobs in one decode."""
+        rt = self.runtime
+        pending = {id(j): self._sync(self.seqs[j.slot], j.history, min(_CATCH_UP_ROWS, rt.n_batch)) for j in jobs}
+        active = [j for j in jobs if j.k > 0]
+        t0 = time.perf_counter()
+        while active:
+            rows = DecodeRows()
+            lasts: list[int] = []
+            for j in active:
+                seq = self.seqs[j.slot]
+                toks = pending[id(j)]
+                seq.rows(toks, len(toks) - 1, into=rows)
+                lasts.append(len(rows) - 1)
+            if len(rows) > rt.n_batch or any(len(self.seqs[j.slot]) + len(pending[id(j)]) >= rt.n_ctx // len(self.seqs)
+                                             for j in active):
+                break
+            t_step = time.perf_counter()
+            rt.decode_batch(rows)
+            self.costs.observe(len(rows), time.perf_counter() - t_step, depth=sum(len(s) for s in self.seqs),
+                               plain=False, prefill=True)
+            still = []
+            for j, row in zip(active, lasts):
+                self.seqs[j.slot].committed(pending[id(j)])
+                tok = self._next(rt.logits_row(row), j)
+                if tok is None:
+                    continue
+                j.tokens.append(tok)
+                pending[id(j)] = [tok]
+                if len(j.tokens) < j.k:
+                    still.append(j)
+            active = still
+        per = (time.perf_counter() - t0) / max(len(jobs), 1)
+        for j in jobs:
+            j.seconds = per
+
+    @staticmethod
+    def _next(row: np.ndarray, job: DraftJob) -> int | None:
+        """The next draft token from a logits row, or None where p_min says stop (never before the
+        first token). Stopping depends only on q, before its token is drawn: the rule stays exact."""
+        if job.sampler is not None:
+            q = sampling_distribution(row, job.sampler.options)
+            if q.top < job.p_min and job.tokens:
+                return None
+            job.qs.append(q)
+            return q.draw(job.sampler.rng)
+        tok = int(np.argmax(row))
+        if job.p_min > 0 and job.tokens:
+            z = row - row[tok]
+            if 1.0 / float(np.exp(z, dtype=np.float32).sum()) < job.p_min:
+                return None
+        return tok
+
+    def release(self, slot: int) -> None:
+        """Nothing to free per request: the slot's sequence keeps its cache for the next one."""
+
+
 class ModelDrafter:
-    """A second, cheaper model drafts in its own context, kept in step with the target's; it stops
-    early when its own top token's probability falls below p_min.
+    """One request's draft-model state: its length policy, whether the draft model can pay at
+    all, and the draft step's cost in target steps (an estimate, then measured)."""
 
-    Greedy requests (and any request it is not given a sampler for) get its argmax tokens, which the
-    target verifies by sample-and-match. Given the request's sampler (`use_sampler`, T > 0, no
-    penalties) it SAMPLES each draft from q = the sampler's transforms (top-k → top-p → min-p →
-    temperature) applied to its own logits, with the request's RNG, and keeps those q
-    (`distributions`) for the target's rejection rule."""
-
-    method = "draft"
-
-    def __init__(self, runtime: LlamaRuntime, policy: LengthPolicy, p_min: float, method: str = "draft",
-                 target: LlamaRuntime | None = None):
-        self.rt = runtime
-        self.target = target
+    def __init__(self, context: DraftContext, policy: LengthPolicy, p_min: float, method: str = "draft"):
+        self.context = context
         self.policy = policy
         self.p_min = p_min
         self.method = method
         self.step_s = 0.0  # seconds per draft token: the estimate, then measured (EWMA)
-        self.measured = False  # whether step_s comes from drafting at the request's own depth
+        self.measured = False
         self.enabled = True
         self.note = ""
-        self.sampler: Sampler | None = None
-        self.distributions: list[TokenDistribution] = []  # q of each token of the last draft
 
-    def use_sampler(self, sampler: Sampler) -> None:
-        """Draft by sampling from q with this request's sampler settings and RNG (see the class)."""
-        self.sampler = sampler if sampler.exact else None
+    def start(self, target: KVSequence, slot: int) -> None:
+        """A draft that cannot pay even at high acceptance is switched off before it costs
+        anything (a quantized copy of a small model is often nearly as slow as the model itself:
+        its time goes to overheads)."""
+        relative = relative_draft_cost(target, self.context.seqs[slot])
+        self.step_s = relative * self.policy.costs.time(1)
+        self._too_slow()
 
-    def start(self, prompt: Sequence[int]) -> None:
-        # A draft that cannot pay even at high acceptance is switched off before it costs
-        # anything: no prefill of the prompt, no explorations (a quantized copy of a small
-        # model is often nearly as slow as the model itself: its time goes to overheads).
-        if self.target is not None:
-            self.step_s = relative_draft_cost(self.target, self.rt, prompt) * self.policy.costs.time(1)
-        if self._too_slow():
-            return
-        self._sync(prompt)
+    def draft_cost(self) -> float:
+        """A drafted token's cost in target steps at the current depth."""
+        t1 = self.policy.costs.time(1)
+        return self.step_s / t1 if t1 > 0 and self.step_s > 0 else 0.3
 
     def _too_slow(self) -> bool:
-        d = self.draft_cost(self.policy.costs.time(1))
+        d = self.draft_cost()
         if self.enabled and not self.policy.can_pay(d):
             self.enabled = False
             self.note = (f"{self.method} off: a drafted token costs {d:.2f} target steps, too slow to pay "
                          "even at 90 % acceptance")
         return not self.enabled
 
-    def _sync(self, history: Sequence[int], tail: int = 1) -> list[int]:
-        """Make the draft's cache hold history but for its last `tail` tokens at most (always at
-        least the last one), and return those for the caller's next decode: drafting decodes them
-        with the token it drafts from in one batch, not one decode per token it fell behind."""
-        rt = self.rt
-        keep = 0
-        limit = min(len(rt.cached), len(history) - 1)
-        while keep < limit and rt.cached[keep] == history[keep]:
-            keep += 1
-        rt.truncate(keep)
-        split = max(keep, len(history) - tail)
-        missing = list(history[keep:split])
-        for s in range(0, len(missing), rt.n_batch):
-            rt.decode(missing[s : s + rt.n_batch])
-        return list(history[split:])
-
-    def draft_cost(self, target_step_s: float) -> float:
-        return self.step_s / target_step_s if target_step_s > 0 and self.step_s > 0 else 0.3
-
-    def candidate(self, history: Sequence[int], max_len: int) -> tuple[int, float]:
-        if not self.enabled:
-            return 0, 1.0
-        self.policy.costs.at(len(history))
-        d = self.draft_cost(self.policy.costs.time(1))
-        return self.policy.choose(max_len, d)
-
-    def draft(self, history: Sequence[int], k: int) -> list[int]:
-        if k <= 0:
-            return []
-        rt = self.rt
-        # After a step that accepted the whole draft the draft model is behind by its last drafted
-        # token and the target's bonus token: both enter with the first decode below (a longer
-        # catch-up, after plain steps, is decoded first and not counted as drafting time).
-        pending = self._sync(history, tail=min(_CATCH_UP_ROWS, rt.n_batch))
-        t0 = time.perf_counter()
-        out: list[int] = []
-        self.distributions = []
-        sampler = self.sampler
-        for _ in range(k):
-            if len(rt.cached) + len(pending) >= rt.n_ctx:
-                break
-            rt.decode(pending)
-            row = rt.logits_row(-1)
-            if sampler is not None:
-                # Stopping depends only on q, before its token is drawn: the rule stays exact.
-                q = sampling_distribution(row, sampler.options)
-                if q.top < self.p_min and out:
-                    break
-                tok = q.draw(sampler.rng)
-                self.distributions.append(q)
-            else:
-                tok = int(np.argmax(row))
-                if self.p_min > 0:
-                    z = row - row[tok]
-                    p_top = 1.0 / float(np.exp(z, dtype=np.float32).sum())
-                    if p_top < self.p_min and out:
-                        break
-            out.append(tok)
-            pending = [tok]
-        if out:
-            per = (time.perf_counter() - t0) / len(out)
-            # The first real draft replaces the estimate (taken after a short prefix, it can be far
-            # too cheap at the prompt's depth), for this request and the next ones; later drafts
-            # are smoothed.
-            self.step_s = 0.8 * self.step_s + 0.2 * per if self.measured else per
-            self.measured = True
-            _relative_step_cache[self.rt] = self.draft_cost(self.policy.costs.time(1))
-            self._too_slow()
-        return out
-
-    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
-        k, _ = self.candidate(history, max_len)
-        return self.draft(history, k)
-
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
-        self.policy.observe(n_drafted, n_accepted, verify_s, draft_s)
-
-    def close(self) -> None:
-        pass  # the runtime belongs to the engine's draft cache
+    def drafted(self, job: DraftJob) -> None:
+        """Learn the draft step's cost from a job just drafted (for this request and the next)."""
+        if not job.tokens:
+            return
+        per = job.seconds / len(job.tokens)
+        self.step_s = 0.8 * self.step_s + 0.2 * per if self.measured else per
+        self.measured = True
+        _relative_step_cache[self.context.runtime] = self.draft_cost()
+        self._too_slow()

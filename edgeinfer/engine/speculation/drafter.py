@@ -1,163 +1,154 @@
-"""A request's drafter, built from an explicit context (target runtime, cost model, draft runtimes)."""
+"""One request's speculation: what it may draft each step, and what it learns from each step.
+
+The scheduler core asks every decoding request for a `Proposal` (prompt lookup's continuation, or
+a draft model's next tokens, not yet drafted), sizes all proposals of a step together with
+`plan_drafts` from the batch's cost curve, has the draft model draft what was planned, verifies
+everything in one target decode and reports back with `observe`.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Literal
 
-from ..llama import LlamaRuntime
+from ..events import SpeculationStats
 from ..options import SpeculationOptions
-from ..sampler import Sampler, TokenDistribution
-from .draft_model import ModelDrafter
-from .lookup import LookupDrafter
+from ..sampler import Sampler
+from ..sequence import KVSequence
+from .draft_model import DraftContext, DraftJob, ModelDrafter
+from .lookup import NgramIndex
 from .policy import CostModel, LengthPolicy
 
-if TYPE_CHECKING:
-    from ..events import SpeculationStats
+__all__ = ["Proposal", "RequestSpeculation", "speculation_method", "recurrent_warning"]
 
-__all__ = ["SpeculationContext", "AutoDrafter", "RequestDrafter", "make_drafter"]
-
-
-@dataclass(frozen=True)
-class SpeculationContext:
-    """What drafters need from the engine, given explicitly rather than read from it.
-
-    target: the target model's runtime; its cache holds the prompt when a drafter starts.
-    costs: the target's decode costs by batch size; called with sample tokens to calibrate with
-        the first time (the engine measures once and remembers the result in the store).
-    draft_runtime: the runtime of the draft model that options name (a draft model, or the
-        target's quantized copy), prepared beforehand (Engine.prepare_speculation).
-    name: the target's name, for messages.
-    """
-
-    target: LlamaRuntime
-    costs: Callable[[Sequence[int]], CostModel]
-    draft_runtime: Callable[[SpeculationOptions], LlamaRuntime]
-    name: str = "this model"
+# A 2-gram match is weaker evidence than a longer one.
+_WEAK_MATCH_QUALITY = 0.8
 
 
-class AutoDrafter:
-    """Per step, the best of prompt lookup, the draft model (when one is configured) and a plain
-    step, by expected tokens per unit of time."""
+def speculation_method(spec: SpeculationOptions) -> str:
+    """The name stats report for a method ("self=Q3_K_M" for a self-draft)."""
+    return {"self": f"self={spec.self_quant}"}.get(spec.method, spec.method)
 
-    method = "auto"
 
-    def __init__(self, lookup: LookupDrafter, model: ModelDrafter | None):
-        self.lookup = lookup
-        self.model = model
-        self._last: LookupDrafter | ModelDrafter | None = None
+@dataclass
+class Proposal:
+    """What one request could draft this step."""
 
-    def start(self, prompt: Sequence[int]) -> None:
-        self.lookup.start(prompt)
+    kind: Literal["lookup", "model"]
+    policy: LengthPolicy
+    limit: int  # most rows it may draft
+    gains: list[float]  # expected tokens each row would add
+    tokens: list[int] = field(default_factory=list)  # lookup: the continuation found; model: after drafting
+    draft_cost: float = 0.0  # a drafted token's cost in target steps (a draft model's decodes)
+    fixed: bool = False  # a fixed length the user asked for (adaptive off): not planned
+    k: int = 0  # what the step's plan gave it
+    job: DraftJob | None = None  # a draft model's work, once planned
+    context: DraftContext | None = None  # the draft model's context (kind "model")
+
+
+class RequestSpeculation:
+    """A request's drafters (lookup and/or a draft model), their policies and statistics."""
+
+    def __init__(self, spec: SpeculationOptions, costs: CostModel, stats: SpeculationStats,
+                 draft: DraftContext | None, sampler: Sampler | None):
+        self.spec = spec
+        self.stats = stats
+        self.method = speculation_method(spec)
+        self.lookup: NgramIndex | None = NgramIndex() if spec.method in ("lookup", "auto") else None
+        self.lookup_policy = LengthPolicy(costs, spec) if self.lookup is not None else None
+        self.model: ModelDrafter | None = None
+        if draft is not None and spec.method in ("draft", "self", "auto"):
+            self.model = ModelDrafter(draft, LengthPolicy(costs, spec, max_failed_explorations=2), spec.p_min,
+                                      draft.method if spec.method == "auto" else self.method)
+        # At T > 0 with a draft model its drafts are sampled from q (the rejection rule verifies).
+        self.sampler = sampler if self.model is not None and sampler is not None and sampler.exact else None
+
+    @property
+    def sampled(self) -> bool:
+        """Whether this request's tokens are all drawn in numpy (a sampling draft model)."""
+        return self.sampler is not None
+
+    def policies(self) -> list[LengthPolicy]:
+        out = [self.lookup_policy] if self.lookup_policy is not None else []
+        return out + ([self.model.policy] if self.model is not None else [])
+
+    def start(self, target: KVSequence, slot: int) -> None:
+        """The prompt is in the target's cache (its first token sampled)."""
+        if self.lookup is not None:
+            self.lookup.sync(target.cached)
         if self.model is not None:
-            self.model.start(prompt)
+            self.model.start(target, slot)
+            self._report()
 
-    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
-        draft, rate = self.lookup.candidate(history, max_len)
-        self._last = self.lookup if draft else None
-        if self.model is not None:
-            k, model_rate = self.model.candidate(history, max_len)
-            if k and model_rate > rate:
-                self._last = self.model
-                return self.model.draft(history, k)
-        return draft
+    def refresh_due(self) -> bool:
+        return any([p.refresh_due() for p in self.policies()])
 
-    def draft_distributions(self) -> list[TokenDistribution] | None:
-        """q of the last draft when the (sampling) draft model made it; None for a lookup draft."""
-        if self._last is self.model and self.model is not None and self.model.sampler is not None:
-            return self.model.distributions
-        return None
+    def propose(self, history: list[int], room: int, slot: int) -> Proposal | None:
+        """The better of what lookup found and what the draft model would draft (`auto`), by
+        expected tokens per unit of time for this request alone; None when neither has anything."""
+        best: Proposal | None = None
+        best_rate = 0.0
+        if self.lookup is not None and self.lookup_policy is not None:
+            policy = self.lookup_policy
+            self.lookup.sync(history)
+            draft, n = self.lookup.lookup(policy.limit(room))
+            if draft:
+                quality = 1.0 if n >= 3 or policy.in_run else _WEAK_MATCH_QUALITY
+                best = Proposal("lookup", policy, len(draft), policy.gains(len(draft), quality), tokens=draft,
+                                fixed=not policy.opts.adaptive)
+                best_rate = _best_rate(best)
+        model = self.model
+        if model is not None and model.enabled:
+            policy = model.policy
+            limit = policy.limit(room)
+            if limit > 0:
+                proposal = Proposal("model", policy, limit, policy.gains(limit), draft_cost=model.draft_cost(),
+                                    fixed=not policy.opts.adaptive)
+                rate = _best_rate(proposal)
+                if best is None or rate > best_rate:
+                    best = proposal
+                    best.job = DraftJob(slot, history, 0, self.sampler, model.p_min)
+                    best.context = model.context
+        return best
 
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
-        if self._last is not None:
-            self._last.observe(history, n_drafted, n_accepted, verify_s, draft_s)
-        else:
-            self.lookup.policy.observe(0, 0, verify_s, draft_s)
+    def observe(self, proposal: Proposal | None, n_drafted: int, n_accepted: int, step_s: float,
+                plain_s: float) -> None:
+        """Feedback after verification (a plain step when nothing was drafted)."""
+        draft_s = proposal.job.seconds if proposal is not None and proposal.job is not None else 0.0
+        if n_drafted == 0:
+            for p in self.policies():
+                p.observe(0, 0, step_s, 0.0, plain_s, learn_costs=False)
+            self.stats.plain_steps += 1
+            return
+        assert proposal is not None
+        proposal.policy.observe(n_drafted, n_accepted, step_s, draft_s, plain_s, learn_costs=False)
+        self.stats.record(n_drafted, n_accepted)
+        if proposal.job is not None and self.model is not None:
+            self.model.drafted(proposal.job)
+            self._report()
+
+    def _report(self) -> None:
+        """Say in the stats when the draft model switched itself off (at start or later)."""
+        if self.model is not None and self.model.note:
+            self.stats.note = self.model.note
 
     def close(self) -> None:
         pass
 
 
-def make_drafter(ctx: SpeculationContext, spec: SpeculationOptions,
-                 stats: SpeculationStats | None = None) -> RequestDrafter | None:
-    """The drafter for a request, or None (with a warning) where speculation cannot work."""
-    if spec.method == "off":
-        return None
-    if ctx.target.facts.recurrent:
-        warnings.warn(
-            f"speculation off: {ctx.name} is a recurrent/hybrid model whose memory cannot drop a rejected suffix",
-            stacklevel=3,
-        )
-        return None
-    return RequestDrafter(ctx, spec, stats)
+def _best_rate(p: Proposal) -> float:
+    """Expected tokens per target step of the proposal's best length, drafting alone."""
+    costs = p.policy.costs
+    t1 = costs.time(1)
+    best, e = 1.0, 1.0
+    for k, g in enumerate(p.gains, start=1):
+        e += g
+        rate = e / (costs.time(k + 1) * costs.optimism(k + 1) / t1 + k * p.draft_cost)
+        best = max(best, rate)
+    return best
 
 
-class RequestDrafter:
-    """Builds the real drafter at `start()`, after the prompt is in the cache, so the cost
-    calibration measures decodes at the real context length (once per engine)."""
-
-    def __init__(self, ctx: SpeculationContext, spec: SpeculationOptions, stats: SpeculationStats | None = None):
-        self.ctx = ctx
-        self.spec = spec
-        self.stats = stats
-        self.method = {"self": f"self={spec.self_quant}", "draft": "draft"}.get(spec.method, spec.method)
-        self.inner: LookupDrafter | ModelDrafter | AutoDrafter | None = None
-        self._model: ModelDrafter | None = None
-        self._sampler: Sampler | None = None
-
-    def use_sampler(self, sampler: Sampler) -> bool:
-        """Called before `start`: a draft model will sample its drafts with the request's sampler
-        (T > 0, no penalties) so the target can verify them by the rejection rule. True if so."""
-        models = self.spec.method in ("draft", "self") or (self.spec.method == "auto" and bool(self.spec.draft_model))
-        self._sampler = sampler if models and sampler.exact else None
-        return self._sampler is not None
-
-    def draft_distributions(self) -> list[TokenDistribution] | None:
-        """The draft model's q for each token of the last proposal, or None when the proposal is
-        deterministic (prompt lookup, a greedy draft): then sample-and-match verifies it."""
-        if isinstance(self.inner, AutoDrafter):
-            return self.inner.draft_distributions()
-        if isinstance(self.inner, ModelDrafter) and self.inner.sampler is not None:
-            return self.inner.distributions
-        return None
-
-    def start(self, prompt: Sequence[int]) -> None:
-        ctx, spec = self.ctx, self.spec
-        costs = ctx.costs(prompt)
-        # Each request starts from the same prior; the policy learns within the request.
-        policy = LengthPolicy(costs, spec)
-        if spec.method == "lookup":
-            self.inner = LookupDrafter(policy)
-        elif spec.method in ("draft", "self"):
-            model_policy = LengthPolicy(costs, spec, max_failed_explorations=2)
-            self.inner = ModelDrafter(ctx.draft_runtime(spec), model_policy, spec.p_min, self.method, target=ctx.target)
-        else:  # auto
-            model = (ModelDrafter(ctx.draft_runtime(spec), LengthPolicy(costs, spec, max_failed_explorations=2),
-                                  spec.p_min, target=ctx.target) if spec.draft_model else None)
-            self.inner = AutoDrafter(LookupDrafter(policy), model)
-        self.inner.start(prompt)
-        model_drafter = getattr(self.inner, "model", self.inner)
-        self._model = model_drafter if isinstance(model_drafter, ModelDrafter) else None
-        if self._model is not None and self._sampler is not None:
-            self._model.use_sampler(self._sampler)
-        self._report()
-
-    def _report(self) -> None:
-        """Say in the stats when the draft model switched itself off (at start or later)."""
-        if self._model is not None and self._model.note and self.stats is not None:
-            self.stats.note = self._model.note
-
-    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
-        assert self.inner is not None, "start() first"
-        return self.inner.propose(history, max_len)
-
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
-        assert self.inner is not None, "start() first"
-        self.inner.observe(history, n_drafted, n_accepted, verify_s, draft_s)
-        self._report()
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
+def recurrent_warning(name: str) -> None:
+    warnings.warn(f"speculation off: {name} is a recurrent/hybrid model whose memory cannot drop a rejected suffix",
+                  stacklevel=4)

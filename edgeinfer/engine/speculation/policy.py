@@ -15,11 +15,13 @@ k = 0 means a plain step: speculation switches itself off where it does not pay.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..options import DEFAULT_SPECULATION, SpeculationOptions
 
-__all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "CALIBRATION_SIZES", "break_even_draft_cost"]
+__all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "plan_drafts", "CALIBRATION_SIZES", "break_even_draft_cost"]
 
 # Both sides of the tile sizes where the curve jumps; other sizes are interpolated, then learned.
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
@@ -98,8 +100,41 @@ class CostModel:
         attention = float(data.pop("attention", 0.0))
         return cls({int(b): float(t) for b, t in data.items()}, attention=attention)
 
+    def adopt(self, seconds: dict[int, float], depth: int = 0) -> None:
+        """Take a curve measured at `depth` (decode seconds by rows, one row included) as the
+        shape of every size it has, made non-decreasing (a noisy bump must not say that more rows
+        cost less); t1 keeps following the steps taken (the measurement seeds it if none did)."""
+        t1 = seconds[1] / (1 + self.attention * depth)
+        highest = 1.0
+        for b in sorted(seconds):
+            highest = max(highest, seconds[b] / t1 - self.attention * b * depth)
+            self._shape[b] = highest
+            self._measured.add(b)
+        self._shape[1] = 1.0
+        # Sizes still guessed (a prior's) would disagree with their measured neighbours: interpolate.
+        self._shape = {b: r for b, r in self._shape.items() if b in self._measured}
+        if not self._t1_observed:
+            self.t1, self._t1_observed = t1, True
+
     def is_measured(self, b: int) -> bool:
         return b in self._measured
+
+    def prefill_knee(self, n_max: int, tolerance: float = 0.05) -> int:
+        """The smallest prompt chunk (rows) whose cost per row is within `tolerance` of the best the
+        measured curve shows up to n_max; n_max itself while the curve is not measured that far
+        (a prior, or only the small sizes drafting uses)."""
+        sizes = sorted(b for b in self._measured if b <= n_max)
+        if not sizes or sizes[-1] < n_max // 2:
+            return n_max
+        per_row = {b: self._shape[b] / b for b in sizes}
+        best = min(per_row.values())
+        return next(b for b in sizes if per_row[b] <= best * (1 + tolerance))
+
+    def optimism(self, b: int) -> float:
+        """A factor on the predicted time of a b-row decode: sizes never verified (up to a few
+        drafted rows) look a little cheaper than guessed, so each gets tried once and the curve's
+        bumps are found."""
+        return 1.0 if b in self._measured or b - 1 > _EXPLORE_MAX else _UNTRIED_DISCOUNT
 
     def new_request(self) -> None:
         """A request starts: its first plain step re-measures t1 under today's load."""
@@ -139,19 +174,24 @@ class CostModel:
         d = self.depth if depth is None else depth
         return self.t1 * (self.shape(b) + self.attention * b * d)
 
-    def observe(self, b: int, seconds: float, weight: float = 0.1, depth: int | None = None) -> None:
+    def observe(self, b: int, seconds: float, weight: float = 0.1, depth: int | None = None,
+                plain: bool | None = None, prefill: bool = False) -> None:
         """Learn from one real decode: t1 from plain steps, ρ(b) from batched ones (one outlier —
         a preempted step — moves either by at most a factor of 1.5).
 
         A verification far off its prediction may mean the machine's speed changed, not the
         curve's shape: then `t1_stale` asks for a plain step to re-measure t1 before ρ(b) learns
-        more (blaming the shape for a busier machine is what made the policy stop drafting)."""
+        more (blaming the shape for a busier machine is what made the policy stop drafting).
+        `plain`: a step without drafted rows (a batch's reference step); `prefill`: a step that
+        carried prompt chunks (its size's shape is learned, but it raises no surprise: its rows
+        attend over other lengths than decoding rows)."""
         if seconds <= 0 or b < 1:
             return
         d = self.depth if depth is None else depth
         a = self.attention * d
-        if b == 1:
-            seen_t1 = seconds / (1 + a)
+        # A plain step (no drafts) of a size whose shape is known measures t1; one row always is.
+        if b == 1 or (plain and b in self._measured):
+            seen_t1 = seconds / (self._shape[b] + a * b)
             if not self._t1_observed:  # a prior's or another session's t1: take the machine's now
                 self.t1, self._t1_observed = seen_t1, True
             elif self.t1_stale:  # a step taken to re-measure t1: the machine's speed now
@@ -162,11 +202,12 @@ class CostModel:
             return
         old = self.shape(b)
         seen = max(1.0, seconds / self.t1 - a * b)
-        surprise = 0 if 0.75 < seen / old < 1.33 else (1 if seen > old else -1)
-        # Twice the same way in a row is the machine, not one preempted step.
-        if surprise != 0 and surprise == self._last_surprise:
-            self.t1_stale = self._suspect = True
-        self._last_surprise = surprise
+        if not prefill:
+            surprise = 0 if 0.75 < seen / old < 1.33 else (1 if seen > old else -1)
+            # Twice the same way in a row is the machine, not one preempted step.
+            if surprise != 0 and surprise == self._last_surprise:
+                self.t1_stale = self._suspect = True
+            self._last_surprise = surprise
         if self._suspect:
             return  # t1 or the shape? Unclear until t1 is re-measured: learn nothing meanwhile
         new = (1 - 2 * weight) * old + 2 * weight * min(max(seen, old / 1.5), old * 1.5)
@@ -227,11 +268,12 @@ class AcceptanceModel:
 
 
 class LengthPolicy:
-    """Chooses k, the number of tokens to draft, from measured costs and acceptance.
+    """One request's drafter policy: acceptance estimates, exploration, and the draft length.
 
     Two acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
     span), 'fresh' otherwise. A step is worth drafting only if its expected tokens per unit of time
-    beat a plain step by `margin`. The priors (0.7 fresh, 0.9 in a run, worth four observations)
+    beat a plain step by `margin` (see `plan_drafts`, which sizes every request's draft of a step
+    together from the batch's cost). The priors (0.7 fresh, 0.9 in a run, worth four observations)
     were chosen by replaying recorded outputs (benchmarks/replay_speculation.py): they gain on
     copy-heavy text and still lose under 2 % on sampled prose where lookup finds nothing.
     """
@@ -252,7 +294,7 @@ class LengthPolicy:
         # is expensive: give up for this request after a few unprofitable tries.
         self._max_failed = max_failed_explorations
         self._failed = 0
-        self._exploring = False
+        self.exploring = False
         # Costs are in units of t1, so t1 must be measured under today's load: each request's first
         # step is plain, and so is one step in `_T1_REFRESH` drafting steps (or after a surprise).
         costs.new_request()
@@ -282,59 +324,127 @@ class LengthPolicy:
             best = max(best, e / (self.costs.ratio(k + 1) + k * draft_cost))
         return best > 1.0 + self.margin
 
-    def choose(self, max_len: int, draft_cost: float = 0.0, quality: float = 1.0) -> tuple[int, float]:
-        """(k, expected rate). `quality` scales acceptance for this particular draft (e.g. a short
-        n-gram match is weaker evidence than a long one)."""
-        limit = min(max_len, self.opts.draft_max)
+    # -- one step ---------------------------------------------------------------------------------
+    def refresh_due(self) -> bool:
+        """Whether this step must be plain, to re-measure t1 under today's load (see __init__).
+        On a very noisy machine surprises come often: re-measure at most once in a few steps."""
         if not self.opts.adaptive:
-            return (limit if limit >= max(self.opts.draft_min, 1) else 0), 1.0
-        # On a very noisy machine surprises come often: re-measure at most once in a few steps.
-        if self._since_plain >= _T1_REFRESH or (self.costs.t1_stale and self._since_plain >= _T1_MIN_GAP):
+            return False
+        due = self._since_plain >= _T1_REFRESH or (self.costs.t1_stale and self._since_plain >= _T1_MIN_GAP)
+        if due:
             self.costs.t1_stale = True  # the plain step this asks for clears it
-            return 0, 1.0
-        self._since_plain += 1
+        return due
+
+    def limit(self, max_len: int) -> int:
+        return max(0, min(max_len, self.opts.draft_max))
+
+    def gains(self, n: int, quality: float = 1.0) -> list[float]:
+        """The expected tokens each of the first n drafted rows adds: the product of the acceptance
+        estimates up to it. `quality` scales the first (a short n-gram match is weaker evidence)."""
         m = self.model()
-        best_k, best = 0, 1.0 + self.margin
-        least_bad_k, least_bad = 1, 0.0  # what an exploration drafts: the best short length
-        e, p = 1.0, 1.0
-        for k in range(1, limit + 1):
-            p *= m.prob(k - 1) * (quality if k == 1 else 1.0)
-            e += p
-            # Sizes never verified look a little cheaper than guessed, so each gets tried once
-            # and the curve's bumps are found (optimism where it is unknown).
-            guess = 1.0 if self.costs.is_measured(k + 1) or k > _EXPLORE_MAX else _UNTRIED_DISCOUNT
-            rate = e / (self.costs.ratio(k + 1) * guess + k * draft_cost)
-            if rate > best:
-                best_k, best = k, rate
-            if k <= _EXPLORE_MAX and rate > least_bad:
-                least_bad_k, least_bad = k, rate
-        if best_k and best_k < self.opts.draft_min:
-            best_k = self.opts.draft_min if self.opts.draft_min <= limit else 0
-        self._exploring = False
-        if best_k == 0 and limit > 0:
+        out, p = [], 1.0
+        for i in range(n):
+            p *= m.prob(i) * (quality if i == 0 else 1.0)
+            out.append(p)
+        return out
+
+    def settle(self, k: int, limit: int, explore_gains: list[float], draft_cost: float = 0.0) -> int:
+        """The length this request drafts given what the step's plan gave it (`k`): a fixed length
+        when not adaptive, at least draft_min, and now and then a short exploration where the
+        plan gave nothing (its length: the best rate among short drafts, from `explore_gains`)."""
+        self.exploring = False
+        if not self.opts.adaptive:
+            return limit if limit >= max(self.opts.draft_min, 1) else 0
+        self._since_plain += 1
+        if k and k < self.opts.draft_min:
+            k = self.opts.draft_min if self.opts.draft_min <= limit else 0
+        if k == 0 and limit > 0:
             self._idle += 1
             if self._idle >= self._explore_after and (self._max_failed is None or self._failed < self._max_failed):
                 self._idle = 0
-                self._exploring = True
-                best_k = least_bad_k
-        return best_k, (best if best_k else 1.0)
+                self.exploring = True
+                return self._least_bad(explore_gains[:min(limit, _EXPLORE_MAX)], draft_cost)
+        return k
 
-    def observe(self, n_drafted: int, n_accepted: int, verify_s: float = 0.0, draft_s: float = 0.0) -> None:
-        """Feedback from one step: what was drafted and accepted, and what it cost."""
+    def _least_bad(self, gains: list[float], draft_cost: float) -> int:
+        best_k, best, e = 1, 0.0, 1.0
+        for k, g in enumerate(gains, start=1):
+            e += g
+            rate = e / (self.costs.ratio(k + 1) * self.costs.optimism(k + 1) + k * draft_cost)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def choose(self, max_len: int, draft_cost: float = 0.0, quality: float = 1.0) -> tuple[int, float]:
+        """(k, expected rate) for a request drafting alone: the one-request case of `plan_drafts`."""
+        limit = self.limit(max_len)
+        if self.refresh_due():
+            return 0, 1.0
+        gains = self.gains(limit, quality)
         t1 = self.costs.time(1)
-        self.costs.observe(n_drafted + 1, verify_s)
+
+        def cost(rows: int) -> float:  # in target steps at the current depth
+            return self.costs.time(rows) * self.costs.optimism(rows) / t1 + (rows - 1) * draft_cost
+
+        k = plan_drafts([gains], 1, cost, limit + 1, self.margin)[0] if self.opts.adaptive else limit
+        k = self.settle(k, limit, gains, draft_cost)
+        return k, ((1.0 + sum(gains[:k])) / cost(k + 1) if k else 1.0)
+
+    def observe(self, n_drafted: int, n_accepted: int, verify_s: float = 0.0, draft_s: float = 0.0,
+                plain_s: float | None = None, learn_costs: bool = True) -> None:
+        """Feedback from one step: what was drafted and accepted, and what it cost. `plain_s`: what
+        the step would have cost without this request's drafts (default: one plain step);
+        `learn_costs` False when the step's time is learned elsewhere (a shared batch)."""
+        baseline = self.costs.time(1) if plain_s is None else plain_s
+        if learn_costs:
+            self.costs.observe(n_drafted + 1, verify_s)
         if n_drafted <= 0:
             self._since_plain = 0
             return
         self.model().update(n_drafted, n_accepted)
         self.in_run = n_accepted == n_drafted
-        if self._exploring:
+        if self.exploring:
             # Judge an exploration by what it really bought: tokens per plain-step time,
             # drafting (and a draft model catching up) included. Unprofitable: wait twice as long.
-            realized = (n_accepted + 1) * t1 / max(verify_s + draft_s, 1e-9)
+            realized = (n_accepted + 1) * baseline / max(verify_s + draft_s, 1e-9)
             if realized < 1.0 + self.margin:
                 self._explore_after = min(self._explore_after * 2, 1024)
                 self._failed += 1
             else:
                 self._explore_after = 8
                 self._failed = 0
+
+
+def plan_drafts(gains: Sequence[Sequence[float]], base_rows: int, cost: Callable[[int], float], max_rows: int,
+                margin: float = 0.03, extra_cost: Callable[[list[int]], float] | None = None) -> list[int]:
+    """How many drafted rows each request adds to a step that already has `base_rows` rows.
+
+    gains[i][j] is what row j of request i's draft is worth: the expected tokens it adds (the
+    product of acceptance estimates up to j, so it falls along a draft). Rows are taken in order
+    of worth; with m of them the step yields (base_rows + their worth) tokens' worth of progress
+    for cost(base_rows + m) (+ `extra_cost(counts)`: what drafting those counts costs, e.g. a draft
+    model's decodes) — one unit per row already planned, a token or a prompt token. The m with the
+    best rate wins if it beats m = 0 by `margin`. With a memory-bound curve (extra rows nearly
+    free) that drafts; once cost grows in proportion to rows, a row worth less than one token
+    never pays, so drafts shrink as the batch grows. One request drafting alone is the case
+    base_rows = 1 (LengthPolicy.choose).
+    """
+    heap = [(-g, i, j) for i, row in enumerate(gains) for j, g in enumerate(row)]
+    heapq.heapify(heap)
+    value = float(base_rows)
+    best_m, best_rate = 0, value / cost(base_rows) * (1 + margin)
+    counts = [0] * len(gains)
+    taken: list[int] = []
+    while heap and base_rows + len(taken) < max_rows:
+        worth, i, _ = heapq.heappop(heap)
+        value -= worth
+        taken.append(i)
+        counts[i] += 1
+        spent = cost(base_rows + len(taken)) + (extra_cost(counts) if extra_cost is not None else 0.0)
+        rate = value / spent
+        if rate > best_rate:
+            best_m, best_rate = len(taken), rate
+    out = [0] * len(gains)
+    for i in taken[:best_m]:
+        out[i] += 1
+    return out

@@ -1,0 +1,395 @@
+"""The scheduler core: N slots of one llama.cpp context, stepped by whoever owns it.
+
+It owns no thread. Each `step()` admits waiting requests into free slots (the slot whose cache
+shares the longest prefix with the prompt), gives prompts their prefill chunks, plans the drafts of
+every decoding request from the measured cost curve, runs ONE `llama_decode` holding all of it,
+then verifies and commits. Both engine faces step it: `Engine` inline with one slot (a generation
+steps it from its own `next()`), `BatchEngine` from a scheduler thread with N slots. In the spirit
+of llama.cpp's server (`server_slot`, one shared batch, one draft context whose sequence id is the
+slot) and vLLM's scheduler (no separate prefill and decode phases: each request tracks what of it
+is computed, and one budget of rows per step covers prompt chunks, decode tokens and drafts).
+
+Prefill is scheduled by the cost curve, not a fixed count: with nothing decoding, waiting prompts
+fill the whole ubatch (n_batch rows), as llama-server does; while requests decode, prompts get the
+rows up to the curve's knee (the smallest chunk whose cost per row is within 5 % of the best the
+curve shows up to n_batch; the whole ubatch while the curve is only a prior). Running streams then
+wait at most one such step for their next token, and prompts still enter at (nearly) the best rate
+the machine has: a time to first token no worse than llama-server's, whose running streams wait
+for every waiting prompt's whole prefill.
+
+Faults stay where they happen: an exception while verifying one request ends that request with an
+error (its reader gets it); a failed decode ends the requests that had rows in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import EdgeInferError
+from .events import SpeculationStats
+from .llama import DecodeAborted, DecodeRows, LlamaRuntime
+from .options import SpeculationOptions
+from .request import RequestState
+from .sampler import Sampler
+from .sequence import KVSequence, common_prefix
+from .speculation.draft_model import DraftContext
+from .speculation.drafter import Proposal, RequestSpeculation
+from .speculation.policy import CostModel, plan_drafts
+
+__all__ = ["Scheduler", "Slot", "StepCounters"]
+
+log = logging.getLogger(__name__)
+
+DraftSource = Callable[[SpeculationOptions], "DraftContext | None"]
+
+
+@dataclass
+class Slot:
+    """One sequence of the context and the request it serves."""
+
+    index: int
+    seq: KVSequence
+    request: RequestState | None = None
+    last_used: float = 0.0
+    decode_tok_s: float = 0.0  # the last request's decode speed here
+
+
+@dataclass
+class StepCounters:
+    """Totals since the core started (for metrics)."""
+
+    steps: int = 0
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+
+
+class Scheduler:
+    """See the module docstring. Not thread-safe: one owner steps it; `submit` and `cancel`
+    flags may come from elsewhere only through the owner (the faces take care of that)."""
+
+    def __init__(self, runtime: LlamaRuntime, n_slots: int, costs: CostModel, *,
+                 drafts: DraftSource | None = None, abortable: bool = False, margin: float = 0.03,
+                 draft_max_rows: int = 64, max_backlog: int | None = None, prefill_chunk: int | None = None):
+        self.runtime = runtime
+        self.slots = [Slot(i, KVSequence(runtime, i)) for i in range(n_slots)]
+        self.slot_ctx = runtime.n_ctx // n_slots
+        self.costs = costs
+        self.drafts = drafts
+        self.abortable = abortable  # a cancel may interrupt a decode (one request at a time only)
+        self.margin = margin
+        self.draft_max_rows = draft_max_rows
+        self.max_backlog = max_backlog  # unread events after which a request pauses (its reader is behind)
+        self.prefill_chunk = prefill_chunk  # a cap on prompt rows per step while others decode
+        self.waiting: list[RequestState] = []
+        self.active: list[RequestState] = []  # in admission order: prompts are fed first come, first served
+        self.counters = StepCounters()
+        self.finished: dict[str, int] = {}
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, req: RequestState) -> None:
+        self.waiting.append(req)
+
+    def cells(self) -> int:
+        """KV cells the slots' caches hold (with one unified cache, every row attends over them)."""
+        return sum(len(s.seq) for s in self.slots)
+
+    def _pause_slow_readers(self) -> None:
+        if self.max_backlog is not None:
+            for r in self.active:
+                r.paused = r.backlog is not None and r.backlog() >= self.max_backlog
+
+    def has_work(self) -> bool:
+        if any(r.cancel.is_set() for r in self.waiting):
+            return True
+        if self.waiting and any(s.request is None for s in self.slots):
+            return True
+        self._pause_slow_readers()
+        return any(r.cancel.is_set() or r.prefilling or not r.paused for r in self.active)
+
+    def cancel_all(self) -> None:
+        for r in self.waiting + self.active:
+            r.cancel.set()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, plan, decode once, verify, commit. False when there was nothing to do."""
+        self._admit()
+        for r in [r for r in self.active if r.cancel.is_set() or r.finish is not None]:
+            self._finish(r, "cancelled" if r.finish is None else r.finish)
+        self._pause_slow_readers()
+        decoding = [r for r in self.active if not r.prefilling and not r.paused]
+        prefilling = [r for r in self.active if r.prefilling]
+        if not decoding and not prefilling:
+            return False
+        rt = self.runtime
+        cells = self.cells()
+        self.costs.at(cells)
+        chunks = self._prefill_chunks(prefilling, len(decoding))
+        proposals = self._plan(decoding, len(decoding) + sum(n for _, n in chunks))
+
+        rows = DecodeRows()
+        firsts: list[int] = []
+        drafts: list[list[int]] = []
+        for r, p in zip(decoding, proposals):
+            assert r.seq is not None
+            d = p.tokens[: p.k] if p is not None else []
+            firsts.append(len(rows))
+            r.seq.rows([r.history[-1], *d], 0, into=rows)
+            drafts.append(d)
+        prompt_rows: list[int] = []
+        for r, n in chunks:
+            assert r.seq is not None
+            r.seq.rows(r.prompt[r.fed : r.fed + n], n - 1 if r.fed + n == len(r.prompt) else None, into=rows)
+            prompt_rows.append(len(rows) - 1)
+
+        t0 = time.perf_counter()
+        try:
+            if self.abortable and chunks:
+                with rt.abortable():
+                    rt.decode_batch(rows)
+            else:
+                rt.decode_batch(rows)
+        except DecodeAborted:
+            for r in decoding + [r for r, _ in chunks]:
+                if r.cancel.is_set():
+                    self._finish(r, "cancelled")
+            return True
+        except Exception as e:  # noqa: BLE001 - the requests in this decode fail, not the engine
+            log.exception("decode failed")
+            for r in decoding + [r for r, _ in chunks]:
+                self._fail(r, e)
+            return True
+        t_decode = time.perf_counter() - t0
+        self.counters.steps += 1
+        self.counters.rows += len(rows)
+
+        for (r, n), last in zip(chunks, prompt_rows):
+            self._isolated(r, self._prompt_chunk, r, n, last)
+        kept = [0] * len(decoding)
+        for i, (r, first, d, p) in enumerate(zip(decoding, firsts, drafts, proposals)):
+            kept[i] = self._isolated(r, self._verify, r, first, d, p) or 0
+        step_s = time.perf_counter() - t0
+        n_drafted = sum(len(d) for d in drafts)
+        self.costs.observe(len(rows), t_decode if chunks else step_s, depth=cells,
+                           plain=n_drafted == 0 and not chunks, prefill=bool(chunks))
+        for r, d, p, n_ok in zip(decoding, drafts, proposals, kept):
+            if r.speculation is not None and r in self.active:
+                plain_s = self.costs.time(len(rows) - len(d)) if d else step_s
+                r.speculation.observe(p if d else None, len(d), n_ok, step_s, plain_s)
+        for r in [r for r in self.active if r.finish is not None]:
+            self._finish(r, r.finish)
+        for r in self.active:
+            r.flush()
+        return True
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def _prefill_chunks(self, prefilling: list[RequestState], n_decoding: int) -> list[tuple[RequestState, int]]:
+        """Prompt rows this step: the whole ubatch when nothing decodes, else up to the knee."""
+        rt = self.runtime
+        budget = rt.n_batch - n_decoding
+        if n_decoding:
+            budget = min(budget, self.prefill_chunk or self.costs.prefill_knee(rt.n_batch))
+        chunks = []
+        for r in prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, len(r.prompt) - r.fed)
+            chunks.append((r, n))
+            budget -= n
+        return chunks
+
+    def _prompt_chunk(self, r: RequestState, n: int, last_row: int) -> None:
+        assert r.seq is not None
+        r.seq.committed(r.prompt[r.fed : r.fed + n])
+        first_chunk = r.fed == r.stats.cached_tokens
+        r.fed += n
+        if r.prefilling or not first_chunk:  # a prompt that takes more than one step
+            r.prefill_progress()
+        if not r.prefilling:
+            r.prompt_done(self.runtime, last_row)
+            if r.speculation is not None:
+                r.speculation.start(r.seq, r.seq.seq_id)
+
+    # -- decoding --------------------------------------------------------------------------------
+    def _plan(self, decoding: list[RequestState], base_rows: int) -> list[Proposal | None]:
+        """Each decoding request's proposal, sized for the whole batch (see plan_drafts), and what
+        a draft model then drafted for it."""
+        out: list[Proposal | None] = [None] * len(decoding)
+        specs = [(i, r.speculation) for i, r in enumerate(decoding) if r.speculation is not None]
+        # A plain step now and then re-measures t1 (the unit of every cost): all requests take it.
+        if not specs or any([spec.refresh_due() for _, spec in specs]):
+            return out
+        for i, spec in specs:
+            r = decoding[i]
+            assert r.seq is not None
+            room = min(self.slot_ctx - len(r.seq) - 1, r.options.max_tokens - len(r.generated) - 1,
+                       self.draft_max_rows)
+            out[i] = spec.propose(r.history, room, r.seq.seq_id) if room > 0 else None
+        planned = [p for p in out if p is not None and not p.fixed]
+        base = base_rows + sum(p.limit for p in out if p is not None and p.fixed)
+        if planned:
+            costs = self.costs
+            models = [j for j, p in enumerate(planned) if p.kind == "model"]
+
+            def drafting(counts: list[int]) -> float:  # a draft model's decodes, one per position drafted
+                total, j = 0.0, 1
+                while at := [m for m in models if counts[m] >= j]:
+                    context = planned[at[0]].context
+                    total += max(planned[m].draft_cost for m in at) * costs.time(1) * context.costs.shape(len(at))
+                    j += 1
+                return total
+
+            counts = plan_drafts([p.gains for p in planned], base, lambda b: costs.time(b) * costs.optimism(b),
+                                 self.runtime.n_batch, self.margin, drafting if models else None)
+            for p, k in zip(planned, counts):
+                p.k = k
+        for p in out:
+            if p is not None:
+                p.k = p.policy.settle(p.k, p.limit, p.gains, p.draft_cost)
+        jobs = [p for p in out if p is not None and p.job is not None and p.k > 0]
+        if jobs:
+            for p in jobs:
+                p.job.k = p.k  # type: ignore[union-attr]
+            jobs[0].context.draft([p.job for p in jobs])  # type: ignore[union-attr,misc]
+        for p in out:
+            if p is not None and p.job is not None:
+                p.tokens = p.job.tokens
+                p.k = len(p.tokens)
+        return out
+
+    def _verify(self, r: RequestState, first: int, drafts: list[int], p: Proposal | None) -> int:
+        qs = p.job.qs[: len(drafts)] if p is not None and p.job is not None and r.sampled_drafts and drafts else None
+        n_ok = r.verify(self.runtime, first, drafts, qs)
+        self.counters.drafted += len(drafts)
+        self.counters.accepted += n_ok
+        if r.finish is None and r.seq is not None and len(r.seq) >= self.slot_ctx:
+            r.finish = "length"  # no position left for the next token
+        return n_ok
+
+    def _isolated(self, r: RequestState, fn: Callable[..., int | None], *args: object) -> int | None:
+        """Run one request's part of a step; an exception ends that request only."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - isolated on purpose
+            log.exception("request failed")
+            self._fail(r, e)
+            return None
+
+    # -- admission -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        for r in [r for r in self.waiting if r.cancel.is_set()]:
+            self.waiting.remove(r)
+            r.end("cancelled")
+            self._count("cancelled")
+            r.flush()
+        free = [s for s in self.slots if s.request is None]
+        while self.waiting and free:
+            r = self.waiting.pop(0)
+            slot = max(free, key=lambda s: (common_prefix(s.seq.cached, r.prompt), -s.last_used))
+            free.remove(slot)
+            try:
+                self._start(r, slot)
+            except Exception as e:  # noqa: BLE001 - this request fails, not the ones queued behind it
+                log.exception("could not start a request")
+                self._fail(r, e)
+
+    def _start(self, r: RequestState, slot: Slot) -> None:
+        rt = self.runtime
+        slot.request = r
+        r.seq = slot.seq
+        r.t_admit = time.perf_counter()
+        r.stats.queue_s = r.t_admit - r.t_submit
+        self.active.append(r)
+        make = getattr(Sampler, "for_request", None)  # TODO(lead): the grammar-aware constructor lands with grammar.py
+        r.sampler = make(rt, r.options) if make is not None else Sampler(rt, r.options.sampling)
+        spec = r.options.speculation
+        if spec.method != "off" and not rt.facts.recurrent:
+            stats = SpeculationStats()
+            draft = self.drafts(spec) if self.drafts is not None else None
+            r.speculation = RequestSpeculation(spec, self.costs, stats, draft, r.sampler)
+            stats.method = r.speculation.method
+            r.stats.speculation = stats
+            r.sampled_drafts = r.speculation.sampled
+        prompt, seq = r.prompt, slot.seq
+        n_keep = common_prefix(seq.cached, prompt)
+        saved = seq.saved_logits
+        restorable = saved is not None and saved[0] == prompt
+        if n_keep == len(prompt) and restorable and seq.truncate(len(prompt)) == len(prompt):
+            # The same prompt again (a regenerate, a seed sweep): nothing is decoded; its remembered
+            # last logits row goes where the sampler reads, the last decode's output row.
+            seq.saved_logits = saved
+            if self._restore_last_row(saved[1]):  # type: ignore[index]
+                r.fed = r.stats.cached_tokens = len(prompt)
+                self._count_prompt(r)
+                r.prompt_done(rt, -1)
+                if r.speculation is not None:
+                    r.speculation.start(seq, seq.seq_id)
+                return
+        if n_keep == len(prompt):
+            n_keep -= 1  # the last prompt token is decoded again for its logits...
+            if restorable:
+                r.restore = saved[1]  # type: ignore[index]  # ...and the saved row put back (same request, same answer)
+        n_keep = seq.truncate(n_keep)
+        if restorable and r.restore is not None:
+            seq.saved_logits = saved  # the truncation forgot it
+        r.fed = n_keep
+        r.stats.cached_tokens = n_keep
+        self._count_prompt(r)
+
+    def _count_prompt(self, r: RequestState) -> None:
+        self.counters.prompt_tokens += len(r.prompt)
+        self.counters.cached_tokens += r.fed
+
+    def _restore_last_row(self, row) -> bool:  # noqa: ANN001 - a numpy row
+        """Write `row` into the last decode's output row; False when that decode left none."""
+        try:
+            self.runtime.logits_row(-1)[:] = row
+        except IndexError:
+            return False
+        return True
+
+    # -- the end ---------------------------------------------------------------------------------
+    def _finish(self, r: RequestState, reason: str | None) -> None:
+        if r.finished and r not in self.active:
+            return
+        r.end(reason)  # type: ignore[arg-type]
+        self._count(r.done.finish_reason if r.done is not None else "cancelled")
+        self.counters.generated += len(r.generated)
+        self._free(r)
+        r.flush()
+
+    def _fail(self, r: RequestState, error: BaseException) -> None:
+        """End a request with an error; what its sequence holds is no longer trusted."""
+        if r.seq is not None:
+            try:
+                r.seq.clear()
+            except Exception:  # noqa: BLE001
+                log.exception("could not clear sequence %d", r.seq.seq_id)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._free(r)
+        self._count("error")
+        r.out.clear()
+        if not isinstance(error, EdgeInferError):
+            error = EdgeInferError(f"generation failed: {type(error).__name__}: {error}")
+        r.fail(error)
+
+    def _free(self, r: RequestState) -> None:
+        if r in self.active:
+            self.active.remove(r)
+        for s in self.slots:
+            if s.request is r:
+                s.request = None
+                s.last_used = time.monotonic()
+                s.decode_tok_s = r.stats.decode_tok_s
+        r.release()
+
+    def _count(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
