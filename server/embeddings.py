@@ -144,7 +144,9 @@ def _embed(engine: Any, inputs: list[Any], options: edgeinfer.EmbedOptions, canc
     embed = getattr(engine, "embed", None)
     if embed is not None:
         return embed(inputs, options, cancel=cancel)
-    from edgeinfer.engine.embedding import Embedder  # TEMPORARY fallback: private runtime access
+    from edgeinfer.engine.embedding import (
+        Embedder,  # TEMPORARY fallback: private runtime access
+    )
 
     with _fallback_lock:
         embedder = _fallback.get(engine)

@@ -23,12 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_models import (
+    QWEN3_EMBEDDING_PROMPTS,
+    make_embedding_hf_model,
+    write_safetensors,
+)
 
 import edgeinfer
 from edgeinfer import EmbedOptions
 from edgeinfer.convert.embedding import embedding_files, read_embedding_spec
 from edgeinfer.engine.embedding import Embedder
-from hf_models import QWEN3_EMBEDDING_PROMPTS, make_embedding_hf_model, write_safetensors
 
 POOLING_CODES = {"mean": 1, "cls": 2, "last": 3}
 TEXTS = [
@@ -53,8 +57,8 @@ def _lcp(path: Path, texts: list, *, pooling: str | None = None, normalize: bool
     import llama_cpp
 
     threads = edgeinfer.LoadOptions().threads
-    kw: dict = dict(embedding=True, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
-                    flash_attn=flash_attn)
+    kw: dict = {"embedding": True, "n_ctx": n_ctx, "n_threads": threads, "n_threads_batch": threads, "verbose": False,
+                "flash_attn": flash_attn}
     if pooling is not None:
         kw["pooling_type"] = POOLING_CODES[pooling]
     if kv_f32:
@@ -121,8 +125,8 @@ def test_options_refuse_bad_values_in_one_line(kw, says):
 
 
 def test_request_parsing_takes_openai_shapes_and_refuses_the_rest():
-    from edgeinfer_server.embeddings import MAX_INPUTS, parse_embeddings
     from edgeinfer_server import APIError
+    from edgeinfer_server.embeddings import MAX_INPUTS, parse_embeddings
 
     assert parse_embeddings({"input": "hi"}).inputs == ("hi",)
     assert parse_embeddings({"input": ["a", "b"]}).inputs == ("a", "b")
@@ -330,6 +334,10 @@ def test_hostile_inputs_get_one_line_errors(f16_default, qwen3_embedding_gguf):
             with pytest.raises(error) as e:
                 emb.embed(*args, **kw)
             assert says in _one_line(e.value), (args, kw, str(e.value))
+        gone = threading.Event()
+        gone.set()
+        with pytest.raises(edgeinfer.Cancelled):  # polled before each decode (the server's client gone)
+            emb.embed(["x"], cancel=gone)
         cut = emb.embed([long_text, "short"], EmbedOptions(truncate=True))
         assert cut.truncated == (True, False) and cut.token_counts[0] == 256
         eos_kept = emb.embed([engine.tokenize(long_text)[:255] + [0]])  # truncation keeps the trailing EOS
@@ -361,7 +369,7 @@ def test_calls_from_many_threads_are_serialized(qwen3_embedding_gguf):
             try:
                 for _ in range(3):
                     got[i] = emb.embed(groups[i], EmbedOptions(pooling="mean" if i % 2 else None)).vectors
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -499,7 +507,6 @@ def test_openai_client_embeddings_equal_llama_cpp_python(embed_server, qwen3_emb
 @pytest.mark.slow
 def test_server_refuses_hostile_requests_with_400(embed_server):
     import httpx2 as httpx
-
     from test_server import MODEL_FILE
 
     url = embed_server.url + "/embeddings"

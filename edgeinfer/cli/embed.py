@@ -6,8 +6,18 @@ import argparse
 import json
 import sys
 
-from ._common import (INT32_MAX, THREADS_HELP, add_encoding_option, add_kv_options, common_options, ctx_type, decode_bytes,
-                      int_range, kv_options, threads_type)
+from ._common import (
+    INT32_MAX,
+    THREADS_HELP,
+    add_encoding_option,
+    add_kv_options,
+    common_options,
+    ctx_type,
+    decode_bytes,
+    int_range,
+    kv_options,
+    threads_type,
+)
 
 __all__ = ["register"]
 
@@ -69,7 +79,7 @@ def _read(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _embed(engine, texts: list[str], options):  # noqa: ANN001, ANN202 - edgeinfer types, imported lazily
+def _embed(engine, texts: list[str], options):
     embed = getattr(engine, "embed", None)
     if embed is not None:
         return embed(texts, options)

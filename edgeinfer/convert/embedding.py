@@ -32,7 +32,13 @@ from typing import Any
 
 import gguf
 
-from ..embedding_meta import DEFAULT_PROMPT_KEY, MIN_DIMENSIONS_KEY, NORMALIZE_KEY, POOLING_CODES, PROMPTS_KEY
+from ..embedding_meta import (
+    DEFAULT_PROMPT_KEY,
+    MIN_DIMENSIONS_KEY,
+    NORMALIZE_KEY,
+    POOLING_CODES,
+    PROMPTS_KEY,
+)
 from ..errors import ConversionError
 from .arch import HParams
 from .safetensors import Checkpoint

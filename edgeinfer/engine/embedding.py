@@ -50,9 +50,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..cancel import CancelToken, raise_if_cancelled
-from ..embedding_meta import (DEFAULT_PROMPT_KEY, MIN_DIMENSIONS_KEY, NORMALIZE_KEY, POOLING_CODES, POOLING_NAMES,
-                              POOLING_TYPES, PROMPTS_KEY, pooling_key)
-from ..errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError
+from ..embedding_meta import (
+    DEFAULT_PROMPT_KEY,
+    MIN_DIMENSIONS_KEY,
+    NORMALIZE_KEY,
+    POOLING_CODES,
+    POOLING_NAMES,
+    POOLING_TYPES,
+    PROMPTS_KEY,
+    pooling_key,
+)
+from ..errors import (
+    ContextLengthError,
+    EngineClosedError,
+    InvalidModelError,
+    InvalidOptionError,
+)
 from ..kv_types import KV_CACHE_TYPES, flash_attn_for
 from ..llama_backend import log_capture
 from .llama import set_fields
@@ -464,7 +477,7 @@ def _inputs(items: object) -> list[str | list[int]]:
                 raise InvalidOptionError(f"input {i} is an empty list of token ids")
             ids: list[int] = []
             for t in item:
-                if isinstance(t, (bool, np.bool_)) or isinstance(t, float):
+                if isinstance(t, (bool, np.bool_, float)):
                     raise InvalidOptionError(f"input {i}: a token id must be an integer, got {type(t).__name__} {t!r}")
                 try:
                     ids.append(operator.index(t))
