@@ -35,7 +35,7 @@ from .engine.options import (
     SamplingOptions,
     SpeculationOptions,
 )
-from .default_model import DEFAULT_SYSTEM_PROMPT, default_system_prompt
+from .default_model import DEFAULT_SYSTEM_PROMPT, RECOMMENDED_MODEL, default_system_prompt
 from .errors import (
     AuthenticationError,
     Cancelled,
@@ -105,6 +105,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_SYSTEM_PROMPT",
     "default_system_prompt",
+    "RECOMMENDED_MODEL",
     "read_gguf",
     "GGUFInfo",
     "TensorInfo",

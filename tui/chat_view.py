@@ -25,7 +25,8 @@ from textual.css.query import NoMatches
 from textual.message import Message as TMessage
 from textual.widgets import Static
 
-from edgeinfer import DEFAULT_LOAD, DoneEvent, GenerateOptions, Generation, SpeculationProgress, TokenEvent
+import edgeinfer
+from edgeinfer import DEFAULT_LOAD, DoneEvent, GenerateOptions, Generation, PrefillProgress, SpeculationProgress, TokenEvent
 
 from .backend import one_line
 from .chat_store import Chat, ChatStore
@@ -35,7 +36,8 @@ from .model_host import ModelHost, ModelKey
 from .settings import ChatSettings, kv_label
 from .widgets import ChatInput, MessageView, last_code_block, merge_spans
 
-__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE", "model_label"]
+__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE", "model_label",
+           "TINY_MODEL_NOTE"]
 
 FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second...
 MAX_FLUSH_S = 0.5  # ...and at least twice a second
@@ -45,6 +47,12 @@ MAX_FLUSH_S = 0.5  # ...and at least twice a second
 UI_CPU_BUDGET = 0.05
 # Under a cancelled reply: it stays in the history the model sees, so the note says so.
 CANCELLED_NOTE = "(cancelled; kept in the conversation)"
+# Above an empty chat with the default model: what it is, and how to get a real one.
+TINY_MODEL_NOTE = (
+    "**This is the default model, SmolLM2-135M: tiny (135M parameters), so expect simple answers and mistakes.** "
+    f"For real answers pull a model that fits this machine, e.g. `edgeinfer pull {edgeinfer.RECOMMENDED_MODEL}` "
+    "(1.1 GB; or Ctrl+L → Pull here), then pick it with Ctrl+O."
+)
 
 
 def model_label(ref: str, kv_types: tuple[str, str]) -> str:
@@ -65,6 +73,14 @@ class SpeculationPreparing(TMessage):
     """The generation is preparing its speculation (e.g. quantizing a self-draft) before its first token."""
 
     def __init__(self, gen_id: int, progress: SpeculationProgress):
+        super().__init__()
+        self.gen_id, self.progress = gen_id, progress
+
+
+class PrefillShown(TMessage):
+    """The prompt is being read: `done` of `total` tokens (before the reply's first token)."""
+
+    def __init__(self, gen_id: int, progress: PrefillProgress):
         super().__init__()
         self.gen_id, self.progress = gen_id, progress
 
@@ -225,9 +241,21 @@ class ChatView(Vertical):
             )
         if widgets:
             view.mount_all(widgets)
+        self._show_first_note()
         view.anchor()
         view.scroll_end(animate=False)
         self.set_stats("")
+
+    def _show_first_note(self) -> None:
+        """TINY_MODEL_NOTE above an empty chat with the default model; gone once the chat starts."""
+        for old in self.messages_view.query(".first-note"):
+            old.remove()
+        if self.chat is None or edgeinfer.default_system_prompt(self.model_ref) is None:
+            return
+        if not any(m.role in ("user", "assistant") for m in self.store.messages(self.chat.id)):
+            from textual.widgets import Markdown
+
+            self.messages_view.mount(Markdown(TINY_MODEL_NOTE, classes="first-note"))
 
     def update_chat(self, **changes: Any) -> None:
         """Save title / model / settings of the open chat."""
@@ -235,6 +263,8 @@ class ChatView(Vertical):
         self.chat = self.store.update_chat(self.chat.id, **changes)
         if "settings" in changes:
             self.settings = ChatSettings.from_dict(self.chat.settings)
+        if "model" in changes:
+            self._show_first_note()
         self.post_message(self.ChatChanged(self.chat))
 
     # -- sending and streaming -------------------------------------------------------------------
@@ -252,6 +282,8 @@ class ChatView(Vertical):
 
     def send(self, text: str) -> None:
         assert self.chat is not None
+        for note in self.messages_view.query(".first-note"):
+            note.remove()
         msg = self.store.add_message(self.chat.id, "user", text)
         if self.chat.title == "New chat":
             self.update_chat(title=" ".join(text.split())[:40] or "Chat")
@@ -266,7 +298,7 @@ class ChatView(Vertical):
             self.notify(one_line(e), severity="error", timeout=8)
             return
         turns = [(m.role, m.content) for m in self.store.messages(self.chat.id) if m.role in ("user", "assistant")]
-        messages = self.settings.messages(turns)
+        messages = self.settings.messages(turns, self.model_ref)
         view = MessageView("assistant", show_drafted=self.show_drafted)
         self.messages_view.mount(view)
         self.messages_view.anchor()
@@ -275,6 +307,7 @@ class ChatView(Vertical):
         self.active = ActiveReply(gen_id=self._gen_counter, chat_id=self.chat.id, model=model, view=view,
                                   kv_types=self.settings.kv_types)
         self.set_stats(f"{model} · generating…")
+        self._reply_changed()
         self.generate(self.active, messages, options)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="generate")
@@ -312,6 +345,8 @@ class ChatView(Vertical):
                         self.post_message(TokensReady(gen_id))
                 elif isinstance(ev, SpeculationProgress):
                     self.post_message(SpeculationPreparing(gen_id, ev))
+                elif isinstance(ev, PrefillProgress):
+                    self.post_message(PrefillShown(gen_id, ev))
                 elif isinstance(ev, DoneEvent):
                     done = ev
         except Exception as e:  # noqa: BLE001 - an engine error mid-reply: keep what came
@@ -325,6 +360,14 @@ class ChatView(Vertical):
     def _current(self, gen_id: int) -> ActiveReply | None:
         active = self.active
         return active if active is not None and active.gen_id == gen_id else None
+
+    def on_prefill_shown(self, message: PrefillShown) -> None:
+        """A long prompt (e.g. the whole chat again after a settings change) is being read: say how
+        far, until the first tokens take the stats line."""
+        active = self._current(message.gen_id)
+        if active is not None and active.n_tokens == 0:
+            p = message.progress
+            self.set_stats(f"{active.model} · reading the prompt: {p.done}/{p.total} tokens ({p.done * 100 // max(p.total, 1)} %)")
 
     def on_speculation_preparing(self, message: SpeculationPreparing) -> None:
         active = self._current(message.gen_id)
@@ -381,6 +424,7 @@ class ChatView(Vertical):
     def _end(self, active: ActiveReply) -> MessageView | None:
         """The reply is over: forget it; its view if still on screen."""
         self.active = None
+        self._reply_changed()
         view = active.view
         return view if view is not None and view.is_attached else None
 
@@ -447,6 +491,12 @@ class ChatView(Vertical):
         if self.active is not None and self.active.chat_id == chat_id:
             self.cancel_reply()
             self.active = None
+            self._reply_changed()
+
+    def _reply_changed(self) -> None:
+        """A reply started or ended: the footer offers Esc (cancel) only while one runs."""
+        if self.is_attached:
+            self.screen.refresh_bindings()
 
     def on_unmount(self) -> None:
         self.cancel_reply()

@@ -17,7 +17,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Action", "ACTIONS", "TuiConfig", "load_config", "config_path"]
+__all__ = ["Action", "ACTIONS", "APP_ACTIONS", "TuiConfig", "load_config", "config_path"]
 
 
 @dataclass(frozen=True)
@@ -27,24 +27,34 @@ class Action:
     description: str  # short: the footer and the palette
     help: str  # one line for the help screen and the palette
     show: bool = True  # in the footer
+    title: str = ""  # in the command palette (default: description)
+
+    @property
+    def palette_title(self) -> str:
+        return self.title or self.description
 
 
+# In footer order: what a footer 80 columns wide shows first (the rest in F1 and the palette).
 ACTIONS: tuple[Action, ...] = (
-    Action("cancel", "escape", "Cancel", "Stop the reply being generated (keeps what came so far)"),
-    Action("new_chat", "ctrl+n", "New chat", "Start a new chat"),
-    Action("pick_model", "ctrl+o", "Model", "Pick the model (also mid-chat)"),
+    Action("cancel", "escape", "Cancel", "Stop the reply being generated (keeps what came so far)"),  # while one is
+    Action("new_chat", "ctrl+n", "New", "Start a new chat (with the default settings)", title="New chat"),
+    Action("pick_model", "ctrl+o", "Model", "Pick the model (also mid-chat)", title="Pick model"),
     Action("settings", "ctrl+s", "Settings", "System prompt and sampling settings of this chat"),
-    Action("speculation", "ctrl+t", "Speculation", "Speculative decoding: method and draft length"),
-    Action("toggle_drafted", "ctrl+g", "Drafted", "Colour drafted-and-accepted tokens in replies"),
+    Action("speculation", "ctrl+t", "Speculate", "Speculative decoding: method and draft length",
+           title="Speculation"),
+    Action("manage", "ctrl+l", "Manage", "Models: pull, convert, quantize, quality ladder, delete"),
+    Action("help", "f1", "Help", "Show the key bindings"),
+    Action("quit", "ctrl+q", "Quit", "Quit (asks first while a reply is being generated)"),
     Action("regenerate", "ctrl+r", "Regenerate", "Generate the last reply again"),
-    Action("copy_reply", "f4", "Copy reply", "Copy the last reply to the clipboard"),
+    Action("toggle_drafted", "ctrl+g", "Drafted", "Colour drafted-and-accepted tokens in replies", show=False),
+    Action("copy_reply", "f4", "Copy reply", "Copy the last reply to the clipboard", show=False),
     Action("copy_code", "f9", "Copy code", "Copy the last code block of the last reply", show=False),
     Action("rename_chat", "f2", "Rename", "Rename this chat", show=False),
     Action("delete_chat", "f8", "Delete", "Delete this chat", show=False),
     Action("export_chat", "f3", "Export", "Export this chat to Markdown", show=False),
-    Action("manage", "ctrl+l", "Manage", "Models: pull, convert, quantize, quality ladder, delete"),
-    Action("help", "f1", "Help", "Show the key bindings"),
 )
+# The app's own actions (they work on every screen); the others are the chat screen's.
+APP_ACTIONS: frozenset[str] = frozenset({"help", "quit"})
 
 INPUT_KEYS: dict[str, tuple[str, str]] = {
     # handled by the message input itself (a TextArea consumes these keys before bindings)

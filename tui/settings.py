@@ -73,7 +73,7 @@ class SpeculationSettings:
 
 @dataclass(frozen=True)
 class ChatSettings:
-    system_prompt: str = ""
+    system_prompt: str = ""  # empty: the model's default (edgeinfer.default_system_prompt)
     temperature: float = _SAMPLING.temperature
     top_k: int = _SAMPLING.top_k
     top_p: float = _SAMPLING.top_p
@@ -119,7 +119,14 @@ class ChatSettings:
             speculation=self.speculation.to_options(),
         ).validate()
 
-    def messages(self, turns: list[tuple[str, str]]) -> list[dict[str, str]]:
-        """The chat-template input: the system prompt (if any) and the (role, content) turns."""
-        out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
+    def system_for(self, model: str | None) -> str | None:
+        """The system prompt sent to `model`: this chat's own, else the model's default
+        (edgeinfer.default_system_prompt: the tiny default model's measured one; None for others)."""
+        return self.system_prompt if self.system_prompt.strip() else edgeinfer.default_system_prompt(model)
+
+    def messages(self, turns: list[tuple[str, str]], model: str | None = None) -> list[dict[str, str]]:
+        """The chat-template input for `model` (None: the default model): the system prompt (this
+        chat's, else the model's default, if any) and the (role, content) turns."""
+        system = self.system_for(model)
+        out = [{"role": "system", "content": system}] if system else []
         return out + [{"role": r, "content": c} for r, c in turns]

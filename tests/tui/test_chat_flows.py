@@ -6,7 +6,9 @@ import threading
 from dataclasses import replace
 
 import pytest
-from tui_helpers import open_screen, run, say, wait_for
+
+import edgeinfer
+from tui_helpers import open_screen, run, say, turns, wait_for
 
 # slow tier: Pilot-driven app tests, about a second of CPU each; the fast tier keeps the widget,
 # dialog and snapshot tests
@@ -46,7 +48,9 @@ def test_send_streams_and_persists(make_app, backend, db_path):
             assert app.chat_view.chat.title == "hello there"
             # what reached the engine: the chat so far, with the chat's sampling settings
             ref, messages, options = backend.calls[-1]
-            assert messages == [{"role": "user", "content": "hello there"}]
+            # (and the default model's measured default system prompt: the chat sets none)
+            assert messages == [{"role": "system", "content": edgeinfer.DEFAULT_SYSTEM_PROMPT},
+                                {"role": "user", "content": "hello there"}]
             assert options.sampling.temperature == 0.7
 
     run(main())
@@ -110,7 +114,7 @@ def test_regenerate_replaces_last_reply(make_app, backend):
             await wait_for(pilot, lambda: len(backend.calls) == 2 and not app.chat_view.generating)
             await wait_for(pilot, lambda: len(_views(app)) == 2 and _views(app)[1].content == "secondanswer")
             assert [m.content for m in app.store.messages(app.chat_view.chat.id)] == ["q", "secondanswer"]
-            assert backend.calls[1][1] == [{"role": "user", "content": "q"}]
+            assert turns(backend.calls[1][1]) == [{"role": "user", "content": "q"}]
 
     run(main())
 
@@ -185,7 +189,7 @@ def test_speculation_is_prepared_as_soon_as_it_is_chosen(make_app, backend):
             await wait_for(pilot, lambda: view.chat is not None)
             screen = await open_screen(pilot, "ctrl+t", "SpeculationScreen")
             screen.query_one("#spec-method").value = "self"
-            await pilot.press("ctrl+s")
+            await pilot.press("ctrl+t")
             stats = app.chat_screen.query_one("#stats")
             await wait_for(pilot, lambda: f"{WHAT}: 45 %" in str(stats.render()), what="the preparation's progress")
             backend.prepare_gate.set()
@@ -245,7 +249,7 @@ def test_a_cancelled_reply_is_kept_exactly_as_shown(make_app, backend):
             view.chat_input.text = "repeat this list"
             await pilot.press("enter")
             await wait_for(pilot, lambda: len(backend.calls) == 2 and not view.generating)
-            assert backend.calls[1][1] == [
+            assert turns(backend.calls[1][1]) == [
                 {"role": "user", "content": "apples pears plums figs"},
                 {"role": "assistant", "content": "Echo: apples pears"},
                 {"role": "user", "content": "repeat this list"},
@@ -281,6 +285,6 @@ def test_a_reply_cancelled_before_its_first_token_is_dropped(make_app, backend):
             view.chat_input.text = "second"
             await pilot.press("enter")
             await wait_for(pilot, lambda: len(backend.calls) == 2 and not view.generating)
-            assert backend.calls[1][1] == [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
+            assert turns(backend.calls[1][1]) == [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
 
     run(main())

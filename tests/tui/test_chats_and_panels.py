@@ -4,7 +4,7 @@ speculation panel and drafted-token colouring, help, command palette, remapped k
 from __future__ import annotations
 
 import pytest
-from tui_helpers import open_screen, run, say, wait_for
+from tui_helpers import open_screen, run, say, turns, wait_for
 
 # slow tier: Pilot-driven app tests, about a second of CPU each; the fast tier keeps the widget,
 # dialog and snapshot tests
@@ -43,7 +43,7 @@ def test_switch_chats_and_persist_across_restart(make_app, backend):
             await wait_for(pilot, lambda: [v.content for v in _views(app)] == ["alpha", "Echo: alpha"])
             # the history sent to the model is this chat's only
             await say(pilot, backend, "again")
-            assert [m["content"] for m in backend.calls[-1][1]] == ["alpha", "Echo: alpha", "again"]
+            assert [m["content"] for m in turns(backend.calls[-1][1])] == ["alpha", "Echo: alpha", "again"]
 
     async def second_session():
         app = make_app()
@@ -106,7 +106,7 @@ def test_pick_model_mid_chat(make_app, backend):
             await say(pilot, backend, "again")
             ref, messages, _ = backend.calls[-1]
             assert ref == "smollm2-135m-instruct:q8_0"
-            assert [m["content"] for m in messages] == ["hi", "Echo: hi", "again"]  # the same chat continues
+            assert [m["content"] for m in turns(messages)] == ["hi", "Echo: hi", "again"]  # the same chat continues
 
     run(main())
 
@@ -145,7 +145,7 @@ def test_speculation_panel_stats_and_drafted_colouring(make_app, backend):
             app.screen.query_one("#spec-method").value = "lookup"
             app.screen.query_one("#spec-k").value = "8"
             app.screen.query_one("#spec-show").value = True
-            await pilot.press("ctrl+s")
+            await pilot.press("ctrl+t")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
             assert app.chat_view.settings.speculation.method == "lookup" and app.chat_view.show_drafted
             assert "speculation: lookup, drafts up to 8 tokens" in app.sub_title
@@ -176,10 +176,10 @@ def test_speculation_draft_requires_a_model(make_app, backend):
             await wait_for(pilot, lambda: app.chat_view.chat is not None)
             screen = await open_screen(pilot, "ctrl+t", "SpeculationScreen")
             screen.query_one("#spec-method").value = "draft"
-            await pilot.press("ctrl+s")
+            await pilot.press("ctrl+t")
             await wait_for(pilot, lambda: "needs a draft model" in str(screen.query_one("#spec-error").render()))
             screen.query_one("#spec-draft").value = "smollm2-135m-instruct:q4_k_m"
-            await pilot.press("ctrl+s")
+            await pilot.press("ctrl+t")
             await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
             assert app.chat_view.settings.speculation.draft_model == "smollm2-135m-instruct:q4_k_m"
 

@@ -124,7 +124,7 @@ def test_the_readme_says_how_to_quit_and_names_the_keys_as_bound(make_app, backe
         key = {"Esc": "escape"}.get(phrase.split()[0], phrase.split()[0]).lower()
         if action is not None:
             assert key in config.key_list(action), (phrase, config.key_list(action))
-    assert "| `ctrl+q` | Quit |" in help_markdown(config)
+    assert "| `ctrl+q` | Quit (asks first while a reply is being generated) |" in help_markdown(config)
 
     async def main():
         app = make_app()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from tui_helpers import open_screen, run, say, select_options, wait_for
+from tui_helpers import open_screen, run, say, select_options, turns, wait_for
 
 import edgeinfer
 
@@ -234,7 +234,7 @@ def test_a_cache_type_that_fails_to_load_keeps_the_chat_working(make_app, backen
             n_loads = len(backend.loads)
             await say(pilot, backend, "still there?")  # the chat goes on, nothing lost, no further load
             assert len(backend.loads) == n_loads
-            assert [m["content"] for m in backend.calls[-1][1]] == ["hi", "Echo: hi", "still there?"]
+            assert [m["content"] for m in turns(backend.calls[-1][1])] == ["hi", "Echo: hi", "still there?"]
 
     run(main())
 

@@ -1,5 +1,5 @@
 """Snapshot tests (pytest-textual-snapshot) at a fixed size, no cursor blink: the chat screen, the
-help screen and one dialog. Only a few, so a Textual upgrade rewrites little; every other screen is
+help screen and two dialogs. Only a few, so a Textual upgrade rewrites little; every other screen is
 checked through its widgets' state (the other test files).
 
 Update after an intended visual change with: pytest tests/tui/test_snapshots.py --snapshot-update
@@ -65,6 +65,11 @@ def test_chat_screen(snap_compare, snap_app):
 
 def test_speculation_panel(snap_compare, snap_app):
     assert snap_compare(snap_app, terminal_size=SIZE, run_before=_before("ctrl+t", screen="SpeculationScreen"))
+
+
+def test_settings_dialog(snap_compare, snap_app):
+    """At 40 rows: its title, the labelled system-prompt box and the buttons in view (issue 26)."""
+    assert snap_compare(snap_app, terminal_size=(110, 40), run_before=_before("ctrl+s", screen="SettingsScreen"))
 
 
 def test_help_screen(snap_compare, snap_app):

@@ -92,7 +92,8 @@ def test_chat_in_tmux(tmux, edgeinfer_home, default_model_path):
         "TERM": "xterm-256color",
     }
     tmux.start(env, [sys.executable, "-m", "edgeinfer", "chat", "--ctx", "2048"])
-    tmux.poll(lambda s: "· ready" in s, 90, "the model to load")
+    first = tmux.poll(lambda s: "· ready" in s, 90, "the model to load")
+    assert "tiny" in first and "edgeinfer pull" in first, first  # the default model says what it is
     tmux.run("send-keys", "-t", tmux.session, "-l", QUESTION)
     tmux.run("send-keys", "-t", tmux.session, "Enter")
     screen = tmux.poll(lambda s: re.search(r"\d+ tokens · [\d.]+ tok/s .*· (done|max tokens)", s), 90, "the reply's stats line")
@@ -104,7 +105,10 @@ def test_chat_in_tmux(tmux, edgeinfer_home, default_model_path):
     import edgeinfer
 
     with edgeinfer.load(default_model_path, n_ctx=2048) as engine:
-        expected = engine.chat([{"role": "user", "content": QUESTION}], settings.to_options()).result().text
+        # (with the default model's default system prompt, as the app sends it)
+        messages = settings.messages([("user", QUESTION)], edgeinfer.DEFAULT_MODEL)
+        expected = engine.chat(messages, settings.to_options()).result().text
+    assert "Paris" in expected, expected  # its first answer is right (it once was 512 tokens of French)
     first_words = " ".join(expected.split()[:4])
     assert first_words and first_words in " ".join(screen.split()), (expected, screen)
     # the app wrote its chat into the sandbox it was given, nowhere else

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import edgeinfer
-from edgeinfer import DoneEvent, GenerationStats, SpeculationProgress, SpeculationStats, TokenEvent
+from edgeinfer import DoneEvent, GenerationStats, PrefillProgress, SpeculationProgress, SpeculationStats, TokenEvent
 from edgeinfer_tui.backend import LoadedModel, ModelEntry, TaskProgress
 
 Script = Callable[[list[dict[str, str]], Any], list[tuple[str, bool]]]
@@ -32,9 +32,10 @@ def echo_script(messages: list[dict[str, str]], options: Any) -> list[tuple[str,
 
 class ScriptedGeneration:
     def __init__(self, tokens: list[tuple[str, bool]], delay: float, gate: threading.Semaphore | None, method: str,
-                 preparing: tuple[SpeculationProgress, ...] = ()):
+                 preparing: tuple[SpeculationProgress, ...] = (), prefill: tuple[PrefillProgress, ...] = ()):
         self.tokens = tokens
         self.preparing = preparing
+        self.prefill = prefill
         self.delay = delay
         self.gate = gate
         self._cancel = threading.Event()
@@ -61,6 +62,11 @@ class ScriptedGeneration:
         yield from self.preparing  # as a generation whose speculation was not prepared yet
         text, ids = [], []
         reason = "eos"
+        for progress in self.prefill:  # a long prompt read in steps, each taking its turn as a token does
+            if not self._wait_turn():
+                yield DoneEvent(text="", tokens=[], finish_reason="cancelled", stats=self.stats)
+                return
+            yield progress
         run = 0
         for i, (piece, drafted) in enumerate(self.tokens):
             if not self._wait_turn():
@@ -125,7 +131,8 @@ class ScriptedEngine:
         tokens = self.backend.script(messages, options)
         preparing = self.backend.preparing if self._needs_preparing(options.speculation) else ()
         self.prepared.add(options.speculation.method)
-        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method, preparing)
+        return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method, preparing,
+                                  self.backend.prefill)
 
     def close(self) -> None:
         self.closed = True
@@ -151,6 +158,7 @@ class FakeBackend:
     load_options: edgeinfer.LoadOptions | None = None  # as `edgeinfer chat` would set them
     fail_chat: str | None = None
     preparing: tuple[SpeculationProgress, ...] = ()  # what preparing a self-draft/draft speculation reports
+    prefill: tuple[PrefillProgress, ...] = ()  # what each generation reports while reading its prompt
     prepare_gate: threading.Event | None = None  # prepare_speculation ends once it is set
     preparations: list[tuple[str, str]] = field(default_factory=list)  # (model, method) prepared ahead
     calls: list[tuple[str, list[dict[str, str]], Any]] = field(default_factory=list)

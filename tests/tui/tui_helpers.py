@@ -40,3 +40,8 @@ def select_options(select) -> list[str]:
     """The labels a Select's drop-down lists (its overlay is an OptionList)."""
     overlay = select.query_one("SelectOverlay")
     return [str(overlay.get_option_at_index(i).prompt) for i in range(overlay.option_count)]
+
+
+def turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A request's messages without the system prompt (the default model's chats send its default one)."""
+    return [m for m in messages if m["role"] != "system"]

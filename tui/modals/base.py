@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input
 
-__all__ = ["Dialog", "FormDialog", "parse_number"]
+__all__ = ["Dialog", "FormDialog", "parse_number", "key_label"]
 
 
 class Dialog(ModalScreen[Any]):
@@ -35,11 +35,25 @@ class Dialog(ModalScreen[Any]):
         self.dismiss(None)
 
 
+def key_label(keys: str) -> str:
+    """The first of comma-separated Textual key names as a user reads it: 'ctrl+t' → 'Ctrl+T'."""
+    first = keys.split(",")[0].strip()
+    return "+".join(part.upper() if len(part) == 1 else part.capitalize() for part in first.split("+"))
+
+
 class FormDialog(Dialog):
-    """A dialog of fields: Ctrl+S, Enter in a field or the #save button applies it (`action_save`
+    """A dialog of fields: its save keys (the key that opened it: Ctrl+S for Settings, Ctrl+T for
+    Speculation, as remapped), Enter in a field or the #save button applies it (`action_save`
     validates and dismisses with the result); the #cancel button or Esc closes it unchanged."""
 
-    BINDINGS = [Binding("ctrl+s", "save", "Save", priority=True)]
+    def __init__(self, save_keys: str = "ctrl+s"):
+        super().__init__()
+        self.save_keys = save_keys
+        self._bindings.bind(save_keys, "save", "Save", show=False, priority=True)
+
+    @property
+    def keys_hint(self) -> str:
+        return f"{key_label(self.save_keys)}: save, Esc: cancel"
 
     def action_save(self) -> None:
         raise NotImplementedError

@@ -29,7 +29,6 @@ def help_markdown(config: TuiConfig) -> str:
         lines.append(f"| {keys(a.id)} | {a.help} |")
     lines += [
         "| `ctrl+p` | Command palette: every action, themes |",
-        "| `ctrl+q` | Quit |",
         "",
         "Keys are remappable in `tui.toml` in the store directory (`[keys]` table, action = \"key,key\").",
     ]

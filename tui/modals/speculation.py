@@ -1,9 +1,9 @@
-"""Ctrl+T: speculative decoding for this chat, and whether drafted tokens are coloured."""
+"""Ctrl+T: speculative decoding for this chat, and whether drafted tokens are coloured. Ctrl+T
+(the key that opened it) applies it."""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 
@@ -17,10 +17,12 @@ class SpeculationScreen(FormDialog):
     """Dismisses with (SpeculationSettings, colour drafted tokens), or None."""
 
     AUTO_FOCUS = "#spec-method"
-    BINDINGS = [Binding("ctrl+s", "save", "Apply", priority=True)]
 
-    def __init__(self, settings: SpeculationSettings, show_drafted: bool, models: list[str]):
-        super().__init__()
+    def __init__(self, settings: SpeculationSettings, show_drafted: bool, models: list[str], *,
+                 save_keys: str = "ctrl+t"):
+        """`save_keys`: the keys that apply it (the chat's Speculation key, which opened it: never
+        the Settings key, Ctrl+S)."""
+        super().__init__(save_keys)
         self.settings = settings
         self.show_drafted = show_drafted
         self.models = models
@@ -31,7 +33,7 @@ class SpeculationScreen(FormDialog):
         if s.draft_model and s.draft_model not in self.models:
             draft_options.insert(0, (s.draft_model, s.draft_model))
         with Vertical(classes="dialog"):
-            yield Label("Speculative decoding  (Ctrl+S: apply, Esc: cancel)", classes="title")
+            yield Label(f"Speculative decoding  ({self.keys_hint.replace('save', 'apply')})", classes="title")
             with Horizontal(classes="field"):
                 yield Label("Method")
                 yield Select([(label, m) for m, label in SPECULATION_CHOICES], value=s.method, allow_blank=False, id="spec-method")
