@@ -216,10 +216,30 @@ class Candidate:
     ppl: float | None
     same_top: float | None
     decode_tok_s: float | None  # measured (metrics["bench"])
+    # The lowest-precision model it was made from, when that has fewer bits per weight than it (a
+    # dequantized F16 copy of a Q4_1): it keeps that model's error whatever it measures against
+    # itself, so it ranks no better than that model (quality_kld, quality_bits).
+    inherits_from: ModelManifest | None = None
 
     @property
     def ref(self) -> str:
         return self.manifest.ref
+
+    @property
+    def quality_bits(self) -> float:
+        """Bits per weight its quality can reflect: its own, or fewer when inherited."""
+        own = self.manifest.bits_per_weight
+        return min(own, self.inherits_from.bits_per_weight) if self.inherits_from is not None else own
+
+    def quality_kld(self, measured: dict[str, float | None]) -> float | None:
+        """Its KLD for ranking: the measured one, but never below the model it inherits from (None
+        when that one is not measured: the copy's own KLD, against itself or its like, says nothing)."""
+        if self.inherits_from is None:
+            return self.kld
+        floor = measured.get(self.inherits_from.ref)
+        if floor is None:
+            return None
+        return max(floor, self.kld) if self.kld is not None else floor
 
 
 @dataclass(frozen=True)
@@ -241,6 +261,22 @@ def ladder(name: str, *, store: Store | None = None) -> list[ModelManifest]:
     return sorted(members, key=lambda m: (-m.size, m.tag))
 
 
+def _lowest_precision_ancestor(m: ModelManifest, store: Store) -> ModelManifest | None:
+    """The ancestor (derived_from, followed through the store) with the fewest bits per weight, if
+    it has fewer than `m`: `m` was made from a lower-precision model and cannot be better than it."""
+    seen, lowest, current = {m.ref}, None, m
+    while current.derived_from and current.derived_from not in seen:
+        seen.add(current.derived_from)
+        ref = current.derived_from
+        parent = store.find(ref) if ":" in ref and "/" not in ref else None
+        if parent is None:
+            break
+        if parent.bits_per_weight < (lowest or m).bits_per_weight:
+            lowest = parent
+        current = parent
+    return lowest
+
+
 def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_quality: float | None = None,
               store: Store | None = None, available: int | None = None, kv_type_k: str | None = None,
               kv_type_v: str | None = None, placement: Mapping[str, Any] | None = None) -> Recommendation:
@@ -249,6 +285,9 @@ def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_
     Without `min_quality`: the highest-quality member that fits (lowest measured KLD; members not
     evaluated rank by bits per weight). With `min_quality` (a maximum mean KLD): the fastest member
     that fits and whose measured KLD is at most that (decode tok/s if benchmarked, else the smallest).
+    A member made from a lower-precision one (an F16 copy of a Q4_1: the ladder's reference, KLD 0
+    against itself) inherits that one's error and bits; at equal quality the member that inherits
+    nothing, then the smaller file, wins.
     `placement` as in `fit`: device memory counts where the devices report it.
     """
     from .store import Store
@@ -261,14 +300,21 @@ def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_
         bench = m.metrics.get("bench") or {}
         report = fit(m.ref, n_ctx, kv_type, store=store, available=avail, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
                      placement=placement)
-        cands.append(Candidate(m, report, ev.get("kld"), ev.get("ppl"), ev.get("same_top"), bench.get("decode_tok_s")))
+        cands.append(Candidate(m, report, ev.get("kld"), ev.get("ppl"), ev.get("same_top"), bench.get("decode_tok_s"),
+                               _lowest_precision_ancestor(m, store)))
+    measured = {c.ref: c.kld for c in cands}
+    for c in cands:  # an ancestor outside the ladder (another name) has its own measured KLD, if any
+        if c.inherits_from is not None and c.inherits_from.ref not in measured:
+            ev = c.inherits_from.metrics.get("eval")
+            measured[c.inherits_from.ref] = ev.get("kld") if isinstance(ev, dict) else None
+    quality = {c.ref: c.quality_kld(measured) for c in cands}
     fitting = [c for c in cands if c.fit.fits]
     if not fitting:
         smallest = min(cands, key=lambda c: c.fit.estimate.total)
         return Recommendation(None, tuple(cands), f"nothing fits: the smallest, {smallest.ref}, needs "
                               f"{smallest.fit.estimate.total / 1e9:.2f} GB, {avail / 1e9:.2f} GB available")
     if min_quality is not None:
-        good = [c for c in fitting if c.kld is not None and c.kld <= min_quality]
+        good = [c for c in fitting if quality[c.ref] is not None and quality[c.ref] <= min_quality]
         if not good:
             measured = [c for c in fitting if c.kld is not None]
             hint = "" if measured else " (none is evaluated yet: run `edgeinfer eval --ladder NAME`)"
@@ -276,6 +322,7 @@ def recommend(name: str, n_ctx: int | None = None, kv_type: str = "f16", *, min_
         choice = max(good, key=lambda c: (c.decode_tok_s or 0.0, -c.manifest.size))
         why = "fastest" if any(c.decode_tok_s for c in good) else "smallest"
         return Recommendation(choice, tuple(cands), f"the {why} that fits with KLD <= {min_quality}")
-    choice = min(fitting, key=lambda c: (c.kld if c.kld is not None else float("inf"), -c.manifest.bits_per_weight))
-    why = "lowest measured KLD" if choice.kld is not None else "most bits per weight (not evaluated yet)"
+    choice = min(fitting, key=lambda c: (quality[c.ref] if quality[c.ref] is not None else float("inf"), -c.quality_bits,
+                                         c.inherits_from is not None, c.manifest.size))
+    why = "lowest measured KLD" if quality[choice.ref] is not None else "most bits per weight (not evaluated yet)"
     return Recommendation(choice, tuple(cands), f"the best quality that fits: {why}")

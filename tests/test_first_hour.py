@@ -58,3 +58,32 @@ def test_default_system_prompt_is_the_default_models_only():
     assert edgeinfer.default_system_prompt(default_model_file()) == edgeinfer.DEFAULT_SYSTEM_PROMPT
     assert edgeinfer.default_system_prompt("qwen2.5-coder-1.5b-instruct:q4_k_m") is None
     assert edgeinfer.default_system_prompt("/elsewhere/model.gguf") is None
+
+
+@pytest.mark.slow
+def test_recommend_never_prefers_a_dequantized_copy_of_the_q4_1(default_model_copy, capsys):
+    """The README's ladder starts with `quantize ...:q4_1 --type F16`: that F16 copy is the ladder's
+    reference (KLD 0 against itself) but holds the Q4_1's weights, so it is no better than the Q4_1
+    and twice its size. `recommend` picked it, measured or not."""
+    from edgeinfer import DEFAULT_MODEL, Store
+    from edgeinfer.cli import main
+    from edgeinfer.fit import recommend
+
+    store = Store()
+    q4_1 = store.get(DEFAULT_MODEL)
+    f16 = store.register(default_model_copy("F16"), "smollm2-135m-instruct", "f16", derived_from=DEFAULT_MODEL,
+                         owned=False)
+    assert f16.bits_per_weight > 15 > q4_1.bits_per_weight
+    # not evaluated: ranked by bits per weight, the copy's are the Q4_1's
+    rec = recommend("smollm2-135m-instruct")
+    assert rec.choice.ref == DEFAULT_MODEL, rec.reason
+    assert {c.ref: c.inherits_from and c.inherits_from.ref for c in rec.candidates}[f16.ref] == DEFAULT_MODEL
+    # as `eval --ladder` leaves them: the copy is the reference (KLD 0), the Q4_1 a rounding away from it
+    store.update_metrics(f16.ref, "eval", {"kld": 0.0, "ppl": 12.0, "same_top": 1.0})
+    store.update_metrics(DEFAULT_MODEL, "eval", {"kld": 2e-5, "ppl": 12.0, "same_top": 0.999})
+    assert recommend("smollm2-135m-instruct").choice.ref == DEFAULT_MODEL
+    assert recommend("smollm2-135m-instruct", min_quality=1e-3).choice.ref == DEFAULT_MODEL  # the smaller
+    assert main(["recommend", "smollm2-135m-instruct"]) == 0
+    out = capsys.readouterr().out
+    assert f"recommended: {DEFAULT_MODEL}" in out
+    assert f"note: {f16.ref} was made from {DEFAULT_MODEL}" in out

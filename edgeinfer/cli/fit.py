@@ -100,6 +100,10 @@ def run_recommend(args: argparse.Namespace) -> int:
             "-" if c.decode_tok_s is None else f"{c.decode_tok_s:.1f}",
         ])
     print_table(rows, ["model", "bits/weight", "memory", "fits", "KLD", "same-top %", "decode tok/s"])
+    for c in rec.candidates:
+        if c.inherits_from is not None:
+            print(f"note: {c.ref} was made from {c.inherits_from.ref} ({c.inherits_from.bits_per_weight:.2f} bits/weight): "
+                  "it keeps that model's error, so it ranks no better than it")
     print()
     if rec.choice is None:
         print(f"no recommendation: {rec.reason}")
