@@ -43,6 +43,7 @@ import ctypes
 import errno
 import ipaddress
 import logging
+import math
 import os
 import shlex
 import socket
@@ -54,13 +55,9 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import EdgeInferError, InvalidOptionError
-
-if TYPE_CHECKING:
-    from .engine.options import LoadOptions
-    from .gguf_file import GGUFInfo
 
 __all__ = [
     "DEFAULT_RPC_PORT",
@@ -69,6 +66,7 @@ __all__ = [
     "BackendInfo",
     "BuildInfo",
     "DeviceInfo",
+    "ModelSizes",
     "Part",
     "Placement",
     "PlacementError",
@@ -76,14 +74,16 @@ __all__ = [
     "RpcWorkerError",
     "WorkerInfo",
     "build_info",
+    "check_placement",
     "check_worker_host",
     "has_rpc",
+    "host_only",
     "last_placement",
     "local_gpu_devices",
-    "model_params",
+    "offload_targets",
     "parse_endpoint",
     "parse_endpoints",
-    "placement_for",
+    "placement_fields",
     "plan_placement",
     "port_is_free",
     "probe_worker",
@@ -391,6 +391,40 @@ def parse_endpoints(text: str | Sequence[str]) -> tuple[str, ...]:
     if len(out) > MAX_RPC_WORKERS:
         raise InvalidOptionError(f"at most {MAX_RPC_WORKERS} RPC workers (llama.cpp's limit), got {len(out)}")
     return out
+
+
+def _check_gpu_layers(name: str, value: object) -> None:
+    if value in ("all", "auto"):
+        return
+    if isinstance(value, str) or not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be a number of layers, 'all' or 'auto', got {value!r}")
+    if not 0 <= value <= 2**31 - 1:
+        raise InvalidOptionError(f"{name} must be in [0, {2**31 - 1}], got {value}")
+
+
+def check_placement(n_gpu_layers: object = "auto", rpc: object = (), tensor_split: object = (),
+                    draft_gpu_layers: object = None) -> None:
+    """Refuse placement options of the wrong type or range with one InvalidOptionError line (the
+    LoadOptions fields of the same names)."""
+    _check_gpu_layers("n_gpu_layers", n_gpu_layers)
+    if draft_gpu_layers is not None:
+        _check_gpu_layers("draft_gpu_layers", draft_gpu_layers)
+    if isinstance(rpc, str) or not isinstance(rpc, (tuple, list)):
+        raise InvalidOptionError(f"rpc must be a tuple of 'host:port' strings, got {type(rpc).__name__} {rpc!r}")
+    parse_endpoints(rpc)
+    if isinstance(tensor_split, str) or not isinstance(tensor_split, (tuple, list)):
+        raise InvalidOptionError(f"tensor_split must be a tuple of numbers, got {type(tensor_split).__name__} "
+                                 f"{tensor_split!r}")
+    for share in tensor_split:
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not math.isfinite(share):
+            raise InvalidOptionError(f"a tensor_split share must be a finite number, got {share!r}")
+        if share < 0:
+            raise InvalidOptionError(f"tensor_split shares must be >= 0, got {share}")
+    if tensor_split and not sum(tensor_split) > 0:
+        raise InvalidOptionError("tensor_split needs at least one share above 0")
+    if tensor_split and isinstance(n_gpu_layers, int) and not isinstance(n_gpu_layers, bool):
+        raise InvalidOptionError("give a number of GPU layers or a tensor split, not both (the split's first "
+                                 "share, the host's, sets how many layers stay on the CPU)")
 
 
 def check_worker_host(host: str, allow_unauthenticated: bool = False) -> str:
@@ -788,7 +822,9 @@ def _assign_layers(n_layer: int, n_gpu: int, shares: Sequence[float]) -> list[in
 
 
 @dataclass(frozen=True)
-class _ModelSizes:
+class ModelSizes:
+    """What a placement moves, per layer (edgeinfer.fit.model_sizes reads it from a GGUF)."""
+
     n_layer: int
     layer_weights: tuple[int, ...]  # per repeating layer
     output_weights: int  # the output layer (output norm and matrix, or the tied embedding it copies)
@@ -800,41 +836,7 @@ class _ModelSizes:
     host_extra: int  # llama.cpp's fixed overhead (context, output buffer)
 
 
-def _model_sizes(info: GGUFInfo, options: LoadOptions) -> _ModelSizes:
-    from .fit import estimate_memory
-
-    est = estimate_memory(info, options.n_ctx, kv_type_k=options.kv_types[0], kv_type_v=options.kv_types[1],
-                          n_batch=options.n_batch, flash_attn=options.flash_attn)
-    n_layer = est.n_layer
-    layers = [0] * n_layer
-    output = inputs = 0
-    embedding = 0
-    has_output = False
-    for t in info.tensors:
-        if t.name.startswith("blk."):
-            idx = t.name.split(".", 2)[1]
-            if idx.isdigit() and int(idx) < n_layer:
-                layers[int(idx)] += t.n_bytes
-                continue
-        if t.name.startswith("output"):
-            output += t.n_bytes
-            has_output = has_output or t.name == "output.weight"
-            continue
-        if t.name == "token_embd.weight":
-            embedding = t.n_bytes
-        inputs += t.n_bytes
-    tied = 0 if has_output else embedding  # a tied output: llama.cpp copies the embedding to the output's device
-    vocab = info.metadata.get("tokenizer.ggml.tokens")
-    n_vocab = getattr(vocab, "length", None) or (len(vocab) if isinstance(vocab, list) else 32000)
-    n_ub = min(options.n_batch, est.n_ctx)
-    logits = 4 * n_ub * n_vocab
-    from .fit import _OVERHEAD
-
-    return _ModelSizes(n_layer, tuple(layers), output + tied, tied, inputs, est.kv_cache // max(n_layer, 1),
-                       max(est.compute - logits - _OVERHEAD, 0), logits, _OVERHEAD)
-
-
-def _parts(sizes: _ModelSizes, owner: list[int], devices: Sequence[DeviceInfo], host_free: int | None) -> tuple[Part, ...]:
+def _parts(sizes: ModelSizes, owner: list[int], devices: Sequence[DeviceInfo], host_free: int | None) -> tuple[Part, ...]:
     n = sizes.n_layer
     weights = [0] * (len(devices) + 1)
     kv = [0] * (len(devices) + 1)
@@ -878,40 +880,33 @@ def _gpu_layers_value(value: int | str, n_layer: int) -> int | None:
     return min(int(value), n_layer + 1)
 
 
-def plan_placement(info: GGUFInfo, options: LoadOptions, devices: Sequence[DeviceInfo],
-                   host_free: int | None = None, *, strict: bool = True) -> Placement:
-    """Where each layer of `info`'s model lands under `options` over these offload devices (in
-    llama.cpp's order); pure arithmetic, no llama.cpp. With `strict`, an explicit placement that a
+def plan_placement(sizes: ModelSizes, devices: Sequence[DeviceInfo], *, n_gpu_layers: int | str = "auto",
+                   tensor_split: Sequence[float] = (), host_free: int | None = None, strict: bool = True) -> Placement:
+    """Where each layer lands over these offload devices (in llama.cpp's order); pure arithmetic.
+    `n_gpu_layers` and `tensor_split` as in LoadOptions. With `strict`, an explicit placement that a
     device cannot hold raises PlacementError (else `fits` says so)."""
-    sizes = _model_sizes(info, options)
     n = sizes.n_layer
     total = n + 1
-    note = None
     if not devices:
-        asked = _gpu_layers_value(options.n_gpu_layers, n)
-        if options.tensor_split:
+        if tensor_split:
             raise InvalidOptionError("--tensor-split: nothing to split over (this build has no GPU backend and no RPC "
                                      "workers were given; see `edgeinfer doctor`)")
-        if asked:
-            note = _no_gpu_note(options.n_gpu_layers)
-        return Placement(_parts(sizes, [-1] * total, [], host_free), n, 0, (), note)
+        return Placement(_parts(sizes, [-1] * total, [], host_free), n, 0, (), _no_gpu_note(n_gpu_layers))
     shares: list[float]
-    if options.tensor_split:
-        split = list(options.tensor_split)
+    if tensor_split:
+        split = list(tensor_split)
         if len(split) != len(devices) + 1:
             names = ", ".join(["host"] + [d.label for d in devices])
             raise InvalidOptionError(f"--tensor-split has {len(split)} values for {len(devices) + 1} parts ({names})")
         host_share, shares = split[0], split[1:]
-        if sum(shares) <= 0:
-            n_gpu = 0
-        else:
-            n_gpu = total - int(total * host_share / sum(split) + 0.5)
-        if options.n_gpu_layers == "all" and n_gpu != total:
+        n_gpu = 0 if sum(shares) <= 0 else total - int(total * host_share / sum(split) + 0.5)
+        if n_gpu_layers == "all" and n_gpu != total:
             raise InvalidOptionError("--gpu-layers all and a host share in --tensor-split contradict each other")
         explicit = True
     else:
+        # llama.cpp's own default: in proportion to the memory each device has free
         shares = [float(d.memory_free or d.memory_total or (host_free or 0) or 1) for d in devices]
-        asked = _gpu_layers_value(options.n_gpu_layers, n)
+        asked = _gpu_layers_value(n_gpu_layers, n)
         explicit = asked is not None
         n_gpu = asked if asked is not None else total
     owner = _assign_layers(n, n_gpu, shares)
@@ -922,7 +917,8 @@ def plan_placement(info: GGUFInfo, options: LoadOptions, devices: Sequence[Devic
             n_gpu -= 1
             owner = _assign_layers(n, n_gpu, shares)
             parts = _parts(sizes, owner, devices, host_free)
-    placement = Placement(parts, n, n_gpu, tuple(shares) if options.tensor_split else (), note)
+    counts = tuple(float(owner.count(k)) for k in range(len(devices)))
+    placement = Placement(parts, n, n_gpu, counts, None)
     if strict and explicit and not placement.fits:
         p = next(p for p in placement.devices if p.fits is False)
         raise PlacementError(
@@ -933,29 +929,21 @@ def plan_placement(info: GGUFInfo, options: LoadOptions, devices: Sequence[Devic
     return placement
 
 
+def host_only(n_gpu_layers: int | str = "auto") -> Placement:
+    """The placement of a load with no device to offload to (nothing to plan: the file is not read)."""
+    return Placement((Part("host", "this machine (CPU)", (0, 0), 0, 0, 0, None, None),), 0, 0, (),
+                     _no_gpu_note(n_gpu_layers))
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _targets(options: LoadOptions) -> list[tuple[int, DeviceInfo]]:
-    """The offload devices of a load, in llama.cpp's order: RPC workers, then local GPUs."""
+def offload_targets(rpc: Sequence[str] = ()) -> list[tuple[int, DeviceInfo]]:
+    """The devices a load can offload to, as (ggml_backend_dev_t, DeviceInfo) in llama.cpp's order:
+    the RPC workers' (probed first: RpcWorkerError), then local GPUs."""
     local = [(d, _device_info(d)) for d in _local_gpu_handles()]
-    return _rpc_devices(options.rpc) + local
-
-
-def placement_for(path: str | Path, options: LoadOptions, info: GGUFInfo | None = None, *,
-                  host_free: int | None = None, strict: bool = True) -> Placement:
-    """The placement a load of `path` with `options` would use now (probes the RPC workers)."""
-    return _placement(path, options, _targets(options), info, host_free=host_free, strict=strict)
-
-
-def _placement(path: str | Path, options: LoadOptions, targets: Sequence[tuple[int, DeviceInfo]],
-               info: GGUFInfo | None = None, *, host_free: int | None = None, strict: bool = True) -> Placement:
-    from .fit import available_memory
-    from .gguf_file import read_gguf
-
-    return plan_placement(info or read_gguf(path), options, [d for _h, d in targets],
-                          available_memory() if host_free is None else host_free, strict=strict)
+    return _rpc_devices(rpc) + local
 
 
 _last_lock = threading.Lock()
@@ -968,36 +956,27 @@ def last_placement(path: str | Path) -> Placement | None:
         return _last.get(str(Path(path).resolve()))
 
 
-def model_params(ll: Any, path: str | Path, options: LoadOptions) -> Any:
-    """The llama_model_params of one load of `path`: load_mode mmap, and the placement of `options`
-    (local GPUs and RPC workers as an explicit, NULL-terminated device list; llama.cpp's
-    tensor_split; n_gpu_layers). RPC workers are probed first (RpcWorkerError), a placement a
-    device cannot hold is refused (PlacementError), both before any weight moves. The returned
-    struct holds the arrays and the callback it points to."""
-    from .engine.llama import set_fields
-
+def placement_fields(ll: Any, path: str | Path, placement: Placement,
+                     targets: Sequence[tuple[int, DeviceInfo]]) -> dict[str, Any]:
+    """The llama_model_params fields of `placement` over `targets` (for set_fields): the devices
+    that hold layers as an explicit NULL-terminated list (an empty one: the CPU alone, not every
+    device), n_gpu_layers, and llama.cpp's tensor_split as the planned layer count of each (so that
+    llama.cpp's split is exactly the plan); with RPC workers, a progress callback that sets keepalive
+    on their connections once the weights are loaded. Ctypes keeps the arrays and the callback alive
+    for as long as the struct they are assigned to."""
     path = Path(path)
-    params = set_fields(ll.llama_model_default_params(), load_mode=ll.LLAMA_LOAD_MODE_MMAP)
-    targets = _targets(options)
-    if not targets and not options.tensor_split:
-        # Everything on the host: nothing to plan, so the file is not read again.
-        placement = Placement((Part("host", "this machine (CPU)", (0, 0), 0, 0, 0, None, None),), 0, 0, (),
-                              _no_gpu_note(options.n_gpu_layers))
-    else:
-        placement = _placement(path, options, targets)
     if placement.note:
-        warnings.warn(placement.note, RuntimeWarning, stacklevel=2)
+        warnings.warn(placement.note, RuntimeWarning, stacklevel=3)
     with _last_lock:
         _last[str(path.resolve())] = placement
     used = [k for k, p in enumerate(placement.devices) if p.n_layers]
     handles = [targets[k][0] for k in used]
     devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
     split = (ctypes.c_float * max(int(ll.llama_max_devices()), 1))()
-    if placement.tensor_split:
-        for i, k in enumerate(used):
-            split[i] = placement.tensor_split[k]
-    set_fields(params, n_gpu_layers=placement.n_gpu_layers if handles else 0,
-               devices=ctypes.cast(devices, ctypes.c_void_p), tensor_split=split)
+    for i, k in enumerate(used):
+        split[i] = placement.tensor_split[k]
+    fields: dict[str, Any] = {"n_gpu_layers": placement.n_gpu_layers if handles else 0,
+                              "devices": ctypes.cast(devices, ctypes.c_void_p), "tensor_split": split}
     endpoints = sorted({d.endpoint for _h, d in (targets[k] for k in used) if d.endpoint})
     if endpoints:
         def on_progress(progress: float, _data: Any) -> bool:
@@ -1008,9 +987,9 @@ def model_params(ll: Any, path: str | Path, options: LoadOptions) -> Any:
                     log.debug("could not set keepalive on the RPC connections", exc_info=True)
             return True
 
-        set_fields(params, progress_callback=ll.llama_progress_callback(on_progress))
+        fields["progress_callback"] = ll.llama_progress_callback(on_progress)
     log.info("placement of %s: %s", path.name, placement.summary())
-    return params
+    return fields
 
 
 # -- the worker side -----------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ block overhead included: see edgeinfer.kv_types)
 + an estimate of llama.cpp's compute buffers (activations of one n_batch-token batch, the logits
 buffer, and the attention scores when flash attention is off). It is compared with MemAvailable
 from /proc/meminfo (and the cgroup's memory limit when one is set).
+
+Where GPUs or RPC workers take layers, `plan` splits the same estimate by layer over this machine
+and each device (edgeinfer.devices has the rules and the devices): weights and KV cache where their
+layer lands, compute buffers on every part that computes; `load_placement` is that plan as the
+llama_model_params fields of a load.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .gguf_file import GGUFInfo, read_gguf
 from .kv_types import KV_CACHE_TYPES, flash_attn_for, kv_cache_type
 
 if TYPE_CHECKING:
-    from .devices import Placement
+    from .devices import ModelSizes, Placement
     from .store import ModelManifest, Store
 
 __all__ = [
@@ -32,6 +37,9 @@ __all__ = [
     "estimate_memory",
     "kv_cache_sizes",
     "available_memory",
+    "model_sizes",
+    "plan",
+    "load_placement",
     "fit",
     "ladder",
     "recommend",
@@ -181,6 +189,74 @@ def available_memory() -> int:
     return avail
 
 
+def model_sizes(info: GGUFInfo, n_ctx: int | None = None, kv_type: str = "f16", n_batch: int = 512,
+                flash_attn: bool | None = None, *, kv_type_k: str | None = None,
+                kv_type_v: str | None = None) -> ModelSizes:
+    """What each layer of `info`'s model weighs, with its KV cache and compute buffers, for a
+    placement over devices (edgeinfer.devices.plan_placement); the same estimate as estimate_memory."""
+    from .devices import ModelSizes
+
+    est = estimate_memory(info, n_ctx, kv_type, n_batch, flash_attn, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
+    n_layer = est.n_layer
+    layers = [0] * n_layer
+    output = inputs = embedding = 0
+    has_output = False
+    for t in info.tensors:
+        if t.name.startswith("blk."):
+            idx = t.name.split(".", 2)[1]
+            if idx.isdigit() and int(idx) < n_layer:
+                layers[int(idx)] += t.n_bytes
+                continue
+        if t.name.startswith("output"):
+            output += t.n_bytes
+            has_output = has_output or t.name == "output.weight"
+            continue
+        if t.name == "token_embd.weight":
+            embedding = t.n_bytes
+        inputs += t.n_bytes
+    tied = 0 if has_output else embedding  # a tied output: llama.cpp copies the embedding to the output's device
+    vocab = info.metadata.get("tokenizer.ggml.tokens")
+    n_vocab = getattr(vocab, "length", None) or (len(vocab) if isinstance(vocab, list) else 32000)
+    logits = 4 * min(n_batch, est.n_ctx) * n_vocab
+    return ModelSizes(n_layer, tuple(layers), output + tied, tied, inputs, est.kv_cache // max(n_layer, 1),
+                      max(est.compute - logits - _OVERHEAD, 0), logits, _OVERHEAD)
+
+
+def plan(path: str | Path, info: GGUFInfo | None = None, *, n_ctx: int | None = None, kv_type: str = "f16",
+         kv_type_k: str | None = None, kv_type_v: str | None = None, n_batch: int = 512,
+         flash_attn: bool | None = None, n_gpu_layers: int | str = "auto", rpc: tuple[str, ...] = (),
+         tensor_split: tuple[float, ...] = (), host_free: int | None = None, strict: bool = True,
+         detail: bool = False) -> tuple[Placement, list[tuple[int, Any]]]:
+    """Where each part of the model at `path` would land now over this machine, its GPUs and the RPC
+    workers `rpc` (probed), and the offload targets (ggml device, DeviceInfo) it uses; see
+    edgeinfer.devices for the rules. Without any device the file is not read (everything is the
+    host's) unless `detail` asks for the host's sizes."""
+    from .devices import check_placement, host_only, offload_targets, plan_placement
+
+    check_placement(n_gpu_layers, rpc, tensor_split)
+    targets = offload_targets(rpc)
+    if not targets and not tensor_split and not detail:
+        return host_only(n_gpu_layers), targets
+    sizes = model_sizes(info or read_gguf(path), n_ctx, kv_type, n_batch, flash_attn, kv_type_k=kv_type_k,
+                        kv_type_v=kv_type_v)
+    placement = plan_placement(sizes, [d for _h, d in targets], n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
+                               host_free=available_memory() if host_free is None else host_free, strict=strict)
+    return placement, targets
+
+
+def load_placement(ll: Any, path: str | Path, options: Any) -> dict[str, Any]:
+    """The llama_model_params fields that place one load of `path` with LoadOptions `options`
+    (LoadOptions.placement_fields): RPC workers are probed (RpcWorkerError) and a placement a device
+    cannot hold is refused (PlacementError) before any weight moves."""
+    from .devices import placement_fields
+
+    type_k, type_v = options.kv_types
+    placement, targets = plan(path, n_ctx=options.n_ctx, kv_type_k=type_k, kv_type_v=type_v, n_batch=options.n_batch,
+                              flash_attn=options.flash_attn, n_gpu_layers=options.n_gpu_layers, rpc=tuple(options.rpc),
+                              tensor_split=tuple(options.tensor_split))
+    return placement_fields(ll, path, placement, targets)
+
+
 def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16", *, store: Store | None = None,
         available: int | None = None, kv_type_k: str | None = None, kv_type_v: str | None = None,
         placement: Mapping[str, Any] | None = None) -> FitReport:
@@ -188,8 +264,6 @@ def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16"
     (LoadOptions fields n_gpu_layers, rpc, tensor_split) plans the layers over this machine, its
     GPUs and RPC workers (edgeinfer.devices, which probes the workers): then the model fits when
     every device holds its part and this machine holds the rest."""
-    from .devices import local_gpu_devices, placement_for
-    from .engine.options import LoadOptions
     from .store import Store
 
     store = store or Store()
@@ -197,15 +271,12 @@ def fit(model: str | Path | None, n_ctx: int | None = None, kv_type: str = "f16"
     info = read_gguf(path)
     est = estimate_memory(info, n_ctx, kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
     avail = available_memory() if available is None else available
-    plan = None
-    options = LoadOptions(n_ctx=est.n_ctx, kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
-                          **dict(placement or {})).validate()
-    if options.rpc or options.tensor_split or local_gpu_devices() or options.n_gpu_layers not in ("auto", 0):
-        plan = placement_for(path, options, info, host_free=avail, strict=False)
-        if not plan.devices and not plan.note:
-            plan = None  # everything on this machine: the plain estimate says it
-    fits = est.total <= avail if plan is None else plan.fits and plan.host.total <= avail
-    return FitReport(manifest.ref if manifest else str(path), est, avail, fits, kv_cache_sizes(info, est.n_ctx), plan)
+    placed, _targets = plan(path, info, n_ctx=est.n_ctx, kv_type=kv_type, kv_type_k=kv_type_k, kv_type_v=kv_type_v,
+                            host_free=avail, strict=False, detail=True, **dict(placement or {}))
+    plan_shown = placed if placed.devices or placed.note else None  # else the plain estimate says it all
+    fits = est.total <= avail if plan_shown is None else placed.fits and placed.host.total <= avail
+    return FitReport(manifest.ref if manifest else str(path), est, avail, fits, kv_cache_sizes(info, est.n_ctx),
+                     plan_shown)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from edgeinfer import devices
 from edgeinfer.cli import main
 from edgeinfer.devices import DeviceInfo, PlacementError, plan_placement
 from edgeinfer.engine.options import LoadOptions
+from edgeinfer.fit import estimate_memory, model_sizes
 
 GPU_BUILD_HINT = ('no GPU backend in this build of llama-cpp-python (see `edgeinfer doctor`); build it with '
                   'CMAKE_ARGS="-DGGML_CUDA=on" (or -DGGML_METAL=on, -DGGML_VULKAN=on) to run the offload path')
@@ -100,21 +101,19 @@ def test_plan_auto_puts_on_devices_what_fits(default_model_path):
     from edgeinfer.gguf_file import read_gguf
 
     info = read_gguf(default_model_path)
-    opts = LoadOptions(n_ctx=2048).validate()
-    roomy = plan_placement(info, opts, _devices(10_000), host_free=10**10)
+    sizes = model_sizes(info, 2048)
+    roomy = plan_placement(sizes, _devices(10_000), host_free=10**10)
     assert roomy.n_gpu_layers == 31 and roomy.host.n_layers == 0 and roomy.fits
     # 450 MB, 256 MiB of it kept free; the output layer (logits, a copy of the tied embedding) goes first
-    small = plan_placement(info, opts, _devices(450), host_free=10**10)
+    small = plan_placement(sizes, _devices(450), host_free=10**10)
     assert 0 < small.n_gpu_layers < 31 and small.fits
     assert small.devices[0].total + devices._DEVICE_MARGIN <= small.devices[0].memory_free
-    nothing = plan_placement(info, opts, _devices(100), host_free=10**10)
+    nothing = plan_placement(sizes, _devices(100), host_free=10**10)
     assert nothing.n_gpu_layers == 0 and nothing.summary() == "CPU"
     # The parts add up to the whole model: every weight is somewhere (a tied output is copied to
     # its device: SmolLM2's is), the KV cache too.
-    from edgeinfer.fit import estimate_memory
-
     whole = estimate_memory(info, 2048)
-    tied = devices._model_sizes(info, opts).tied_output
+    tied = sizes.tied_output
     assert tied > 0
     for plan in (roomy, small, nothing):
         assert sum(p.weights for p in plan.parts) == whole.weights + (tied if plan.n_gpu_layers else 0)
@@ -124,28 +123,34 @@ def test_plan_auto_puts_on_devices_what_fits(default_model_path):
 def test_plan_refuses_an_explicit_placement_a_device_cannot_hold(default_model_path):
     from edgeinfer.gguf_file import read_gguf
 
-    info = read_gguf(default_model_path)
+    sizes = model_sizes(read_gguf(default_model_path))
     with pytest.raises(PlacementError, match=r"GPU0 \(test device\) would hold .* but reports 50.0 MB free"):
-        plan_placement(info, LoadOptions(n_gpu_layers="all").validate(), _devices(50), host_free=10**10)
-    plan = plan_placement(info, LoadOptions(n_gpu_layers="all").validate(), _devices(50), host_free=10**10, strict=False)
+        plan_placement(sizes, _devices(50), n_gpu_layers="all", host_free=10**10)
+    plan = plan_placement(sizes, _devices(50), n_gpu_layers="all", host_free=10**10, strict=False)
     assert plan.fits is False
     with pytest.raises(edgeinfer.InvalidOptionError, match=r"--tensor-split has 2 values for 3 parts \(host, GPU0, GPU1\)"):
-        plan_placement(info, LoadOptions(tensor_split=(1, 1)).validate(), _devices(1e4, 1e4))
+        plan_placement(sizes, _devices(1e4, 1e4), tensor_split=(1, 1))
     with pytest.raises(edgeinfer.InvalidOptionError, match="contradict"):
-        plan_placement(info, LoadOptions(n_gpu_layers="all", tensor_split=(1, 1)).validate(), _devices(1e4))
+        plan_placement(sizes, _devices(1e4), n_gpu_layers="all", tensor_split=(1, 1))
+    # llama.cpp is given the planned layer count of each device as its split: its layers are the plan's
+    plan = plan_placement(sizes, _devices(1e4, 1e4), tensor_split=(1, 2, 3))
+    assert plan.tensor_split == tuple(float(p.n_layers) for p in plan.devices) and sum(plan.tensor_split) == plan.n_gpu_layers
 
 
 # -- this build ------------------------------------------------------------------------------------------------
 
 
-def test_model_params_of_a_cpu_load(default_model_path):
-    from edgeinfer.engine.llama import require_fields
+def test_placement_fields_of_a_cpu_load(default_model_path):
+    from edgeinfer.engine.llama import require_fields, set_fields
     from edgeinfer.llama_backend import backend
 
     ll = backend()
     require_fields(ll.llama_model_params, "devices", "n_gpu_layers", "tensor_split", "load_mode", "progress_callback")
-    params = devices.model_params(ll, default_model_path, LoadOptions(n_gpu_layers=0).validate())
-    assert params.load_mode == ll.LLAMA_LOAD_MODE_MMAP and params.n_gpu_layers == 0
+    fields = LoadOptions(n_gpu_layers=0).validate().placement_fields(ll, default_model_path)
+    assert set(fields) == {"n_gpu_layers", "devices", "tensor_split"}
+    params = set_fields(ll.llama_model_default_params(), **fields)
+    del fields
+    assert params.n_gpu_layers == 0
     listed = ctypes.cast(params.devices, ctypes.POINTER(ctypes.c_void_p))
     assert params.devices and listed[0] is None  # an explicit, empty device list: not "every device"
     assert len(params._objects) >= 2  # the struct keeps its device list and split alive

@@ -58,14 +58,6 @@ def _instance(owner: str, name: str, value: object, kind: type | tuple[type, ...
         raise InvalidOptionError(f"{owner}{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
-def _gpu_layers(name: str, value: object) -> None:
-    if value in ("all", "auto"):
-        return
-    if isinstance(value, str) or not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidOptionError(f"{name} must be a number of layers, 'all' or 'auto', got {value!r}")
-    _int("", name, value, 0)
-
-
 @dataclass(frozen=True)
 class LoadOptions:
     """How a model is loaded: context, threads, KV cache, and where its layers run."""
@@ -94,12 +86,13 @@ class LoadOptions:
         return LoadOptions(n_ctx=n_ctx, n_threads=self.n_threads, n_batch=self.n_batch, n_gpu_layers=gpu,
                            rpc=self.rpc, tensor_split=split)
 
-    def model_params(self, ll: Any, path: str | os.PathLike[str]) -> Any:
-        """The llama_model_params of a load of `path` with these options: mmap, and the placement
-        (edgeinfer.devices.model_params: probes RPC workers, refuses what a device cannot hold)."""
-        from ..devices import model_params
+    def placement_fields(self, ll: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The llama_model_params fields that place a load of `path` (n_gpu_layers, devices,
+        tensor_split; edgeinfer.fit.load_placement: probes RPC workers and refuses what a device
+        cannot hold, before any weight moves)."""
+        from ..fit import load_placement
 
-        return model_params(ll, path, self)
+        return load_placement(ll, path, self)
 
     @property
     def kv_types(self) -> tuple[str, str]:
@@ -124,26 +117,9 @@ class LoadOptions:
                 _instance("", name, getattr(self, name), str, "a string or None")
         kv_cache_type(self.kv_type)
         flash_attn_for(*self.kv_types, self.flash_attn)  # unknown types; quantized V with flash attention off
-        _gpu_layers("n_gpu_layers", self.n_gpu_layers)
-        if self.draft_gpu_layers is not None:
-            _gpu_layers("draft_gpu_layers", self.draft_gpu_layers)
-        if isinstance(self.rpc, str) or not isinstance(self.rpc, (tuple, list)):
-            raise InvalidOptionError(f"rpc must be a tuple of 'host:port' strings, got {type(self.rpc).__name__} {self.rpc!r}")
-        from ..devices import parse_endpoints
+        from ..devices import check_placement
 
-        parse_endpoints(self.rpc)
-        if isinstance(self.tensor_split, str) or not isinstance(self.tensor_split, (tuple, list)):
-            raise InvalidOptionError(f"tensor_split must be a tuple of numbers, got {type(self.tensor_split).__name__} "
-                                     f"{self.tensor_split!r}")
-        for share in self.tensor_split:
-            _number("", "a tensor_split share", share)
-            if share < 0:
-                raise InvalidOptionError(f"tensor_split shares must be >= 0, got {share}")
-        if self.tensor_split and not sum(self.tensor_split) > 0:
-            raise InvalidOptionError("tensor_split needs at least one share above 0")
-        if self.tensor_split and isinstance(self.n_gpu_layers, int) and not isinstance(self.n_gpu_layers, bool):
-            raise InvalidOptionError("give a number of GPU layers or a tensor split, not both (the split's first "
-                                     "share, the host's, sets how many layers stay on the CPU)")
+        check_placement(self.n_gpu_layers, self.rpc, self.tensor_split, self.draft_gpu_layers)
         return self
 
     @property
