@@ -137,7 +137,8 @@ class LlamaRuntime:
         self._governor = ThreadGovernor(self._set_threads) if options.pinned_threads is None else None
         if self._governor is not None:
             self._governor.start()  # the load's duration is the first sample window
-        mparams = options.model_params(ll, path)  # placement: edgeinfer.devices
+        mparams = set_fields(ll.llama_model_default_params(), load_mode=ll.LLAMA_LOAD_MODE_MMAP,
+                             **options.placement_fields(ll, path))  # GPUs, RPC workers: edgeinfer.devices
         said: list[str] = []
         with log_capture(lambda _level, text: said.append(text)):
             self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
