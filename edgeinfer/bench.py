@@ -321,7 +321,15 @@ def bench_many(
     on_progress: Callable[[BenchProgress], None] | None = None,
     **kwargs: Any,
 ) -> list[BenchResult]:
-    """Bench several models; the bandwidth is measured once."""
+    """Bench several models; the bandwidth is measured once, after every model is found (a
+    misspelled one fails at once, not after seconds of measuring)."""
+    from .store import Store
+
+    store = kwargs.get("store") or Store()
+    for m in models:
+        store.resolve(m)
+    for draft in [kwargs.get("draft")] if kwargs.get("draft") else []:
+        store.resolve(draft)
     if on_progress:
         on_progress(BenchProgress("", "bandwidth", 0, len(models)))
     bw = kwargs.pop("bandwidth", None) or measure_bandwidth()

@@ -389,10 +389,16 @@ class Store:
         return self.scan()[0]
 
     def suggest(self, ref: str, n: int = 3) -> list[str]:
-        """Store names closest to a misspelled `ref` (best first), for "did you mean" messages."""
+        """Store names closest to a misspelled or shortened `ref` (best first), for "did you mean"
+        messages: the full names that start with or contain it (`smollm2` → smollm2-135m-instruct:q4_1),
+        then the closest spellings."""
         models = self.list()
+        wanted = ref.lower()
+        whole = sorted({m.ref for m in models if wanted and ":" not in wanted and wanted in m.name},
+                       key=lambda r: (not r.startswith(wanted), r))
         candidates = sorted({m.ref if ":" in ref else m.name for m in models})
-        return difflib.get_close_matches(ref.lower(), candidates, n=n, cutoff=0.6)
+        close = difflib.get_close_matches(wanted, candidates, n=n, cutoff=0.6)
+        return (whole + [c for c in close if not any(w.startswith(f"{c}:") for w in whole)])[:n]
 
     def _not_found(self, ref: str) -> ModelNotFoundError:
         close = self.suggest(ref)
@@ -400,7 +406,8 @@ class Store:
         return ModelNotFoundError(f"model {ref} is not in the store{hint} (see `edgeinfer list`)")
 
     def get(self, ref: str) -> ModelManifest:
-        """The manifest of `name:tag`; `name` alone works when it has exactly one tag.
+        """The manifest of `name:tag`; `name` alone works when it has one tag, a `latest` tag, or one
+        tag the others were made from (the default model's q4_1 beside its F16 copy and quants).
 
         ModelNotFoundError (with the closest names) when there is none; ManifestError when its
         manifest is damaged (`remove` deletes such a manifest).
@@ -421,7 +428,21 @@ class Store:
             return self.get(f"{name}:{tags[0]}")
         if not tags:
             raise self._not_found(name)
+        default = self._default_tag(name, tags)
+        if default is not None:
+            return self.get(f"{name}:{default}")
         raise ModelNotFoundError(f"model {name} has several tags, pick one: " + ", ".join(f"{name}:{t}" for t in tags))
+
+    def _default_tag(self, name: str, tags: list[str]) -> str | None:
+        """`latest`, else the one tag of `name` not made from another of its tags, else None."""
+        if "latest" in tags:
+            return "latest"
+        roots = []
+        for tag in tags:
+            m = self._read_manifest(self._manifest_path(name, tag))
+            if m is None or not (m.derived_from or "").startswith(f"{name}:"):
+                roots.append(tag)
+        return roots[0] if len(roots) == 1 else None
 
     def find(self, ref: str) -> ModelManifest | None:
         try:

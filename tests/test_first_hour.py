@@ -87,3 +87,81 @@ def test_recommend_never_prefers_a_dequantized_copy_of_the_q4_1(default_model_co
     out = capsys.readouterr().out
     assert f"recommended: {DEFAULT_MODEL}" in out
     assert f"note: {f16.ref} was made from {DEFAULT_MODEL}" in out
+
+
+def test_help_shows_every_default():
+    """Every option of every command that has a default says it in --help, from the value the
+    parser really uses (argparse's own default, or the help's words where it is computed)."""
+    import argparse
+
+    from edgeinfer.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for name, sub in commands.items():
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action.default, bool) or action.default in (None, argparse.SUPPRESS, [], ()):
+                continue
+            shown = " ".join((sub._get_formatter()._get_help_string(action) or "").split())
+            if "default" not in shown.lower() or " ".join((action.help or "").split()).split("%")[0] not in text:
+                missing.append(f"{name} {action.option_strings[0]} ({action.default!r})")
+    assert not missing, missing
+    run_help = " ".join(commands["run"].format_help().split())
+    assert f"(default: {__import__('edgeinfer').DEFAULT_GENERATE.max_tokens})" in run_help  # --max-tokens had no help
+    import re
+
+    assert re.search(r"--prompt-tokens PROMPT_TOKENS .*\(default:? 256\)", " ".join(commands["bench"].format_help().split()))
+
+
+def test_a_mistyped_command_names_the_one_meant():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "rnu", "hi"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "unknown command 'rnu' — did you mean run?" in r.stderr
+
+
+def test_fit_says_when_the_context_is_beyond_the_trained_one(capsys):
+    from edgeinfer import Store
+    from edgeinfer.cli import main
+
+    trained = Store().get("smollm2-135m-instruct:q4_1").context_length
+    assert main(["fit", "--ctx", str(trained * 2)]) == 0
+    err = capsys.readouterr().err
+    assert f"a context of {trained * 2} tokens is beyond the {trained} this model was trained on" in err
+    assert main(["fit", "--ctx", str(trained)]) == 0
+    assert "beyond" not in capsys.readouterr().err
+
+
+def test_a_short_name_suggests_the_full_ones_and_a_name_resolves_to_its_original_tag(default_model_copy, capsys):
+    """`run smollm2 hi` named no model and suggested nothing; a name with one obvious tag (the one
+    its other tags were made from) or a `latest` tag resolves without one."""
+    from edgeinfer import DEFAULT_MODEL, ModelNotFoundError, Store
+    from edgeinfer.cli import main
+
+    store = Store()
+    assert main(["run", "smollm2", "hi"]) == 1
+    assert f"model smollm2 is not in the store — did you mean {DEFAULT_MODEL}" in capsys.readouterr().err
+    name = DEFAULT_MODEL.split(":")[0]
+    store.register(default_model_copy("F16"), name, "f16", derived_from=DEFAULT_MODEL, owned=False)
+    assert store.get(name).ref == DEFAULT_MODEL  # the original, not its copy
+    other = store.register(default_model_copy("F16"), "mine", "f16", owned=False)
+    store.register(default_model_copy("F16"), "mine", "q8", owned=False)  # two originals: no obvious one
+    with pytest.raises(ModelNotFoundError, match="several tags, pick one"):
+        store.get("mine")
+    store.register(default_model_copy("F16"), "mine", "latest", owned=False)
+    assert store.get("mine").ref == "mine:latest" and other.ref == "mine:f16"
+
+
+def test_bench_of_an_unknown_model_fails_before_measuring(monkeypatch, capsys):
+    import edgeinfer.bench
+    from edgeinfer.cli import main
+
+    measured = []
+    monkeypatch.setattr(edgeinfer.bench, "measure_bandwidth", lambda *a, **k: measured.append(1) or 1e10)
+    assert main(["bench", "nothing:here"]) == 1
+    err = capsys.readouterr().err
+    assert "model nothing:here is not in the store" in err and "bandwidth" not in err and not measured

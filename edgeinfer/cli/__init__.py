@@ -21,12 +21,52 @@ from collections.abc import Iterator, Sequence
 __all__ = ["main", "build_parser"]
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows each option's default ("(default: 512)") unless its help already says it, or it
+    has none worth showing (unset, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or default in ([], (), "")
+            or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
+        ):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with the CLI's one-line errors (a bad flag value reads like every other error);
-    subcommand parsers inherit the class."""
+    """argparse with the CLI's one-line errors (a bad flag value reads like every other error) and
+    defaults in --help; subcommand parsers inherit the class."""
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: typing.Any, **kwargs: typing.Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if not action.help and action.option_strings and not isinstance(action.default, bool) \
+                and action.default not in (None, argparse.SUPPRESS, [], ()):
+            action.help = "(default: %(default)s)"  # argparse shows nothing for an option without help
+        return action
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"edgeinfer: error: {message} (see `{self.prog} --help`)\n")
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        """A mistyped command names the one meant: `edgeinfer rnu` → "did you mean run?"."""
+        if isinstance(action, argparse._SubParsersAction) and isinstance(value, str) and value not in action.choices:
+            import difflib
+
+            close = difflib.get_close_matches(value, list(action.choices), n=2, cutoff=0.6)
+            if close:
+                raise argparse.ArgumentError(action, f"unknown command {value!r} — did you mean {' or '.join(close)}?")
+        super()._check_value(action, value)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ._common import INT32_MAX, ctx_type, add_kv_options, add_placement_options, common_options, format_bytes, int_range, kv_options, placement_options, print_table
 
@@ -59,6 +60,10 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"available   {format_bytes(rep.available)}" + ("  (this machine)" if rep.placement is not None else ""))
     print(f"fits        {'yes' if rep.fits else 'NO'}  (headroom {format_bytes(rep.headroom)}"
           + (" on this machine)" if rep.placement is not None else ")"))
+    trained = _trained_context(args.model)
+    if trained and e.n_ctx > trained:
+        print(f"edgeinfer: note: a context of {e.n_ctx} tokens is beyond the {trained} this model was trained on: "
+              f"it fits in memory, but answers degrade past {trained} tokens", file=sys.stderr)
     return 0 if rep.fits else 1
 
 
@@ -81,6 +86,16 @@ def _print_placement(rep) -> None:  # noqa: ANN001 - an edgeinfer.fit.FitReport
     print()
     print_table(rows, ["part", "where", "layers", "weights", "KV cache", "compute", "total", "free", "fits"])
     print()
+
+
+def _trained_context(model: str | None) -> int | None:
+    """The context length the model was trained on (its GGUF's), or None when it does not say."""
+    import edgeinfer
+
+    path, manifest = edgeinfer.Store().resolve(model)
+    if manifest is not None and manifest.context_length:
+        return manifest.context_length
+    return edgeinfer.read_gguf(path).context_length or None
 
 
 def run_recommend(args: argparse.Namespace) -> int:

@@ -69,7 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", metavar="MODEL", help="draft model for --speculate auto or draft (same as auto=MODEL)")
     p.add_argument("--draft-max", type=int_range(0, INT32_MAX),
                    help=f"longest draft per step (default {edgeinfer.DEFAULT_SPECULATION.draft_max})")
-    p.add_argument("--draft-min", type=int_range(0, INT32_MAX), help="shortest draft worth verifying")
+    p.add_argument("--draft-min", type=int_range(0, INT32_MAX),
+                   help=f"shortest draft worth verifying (default {edgeinfer.DEFAULT_SPECULATION.draft_min})")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.set_defaults(func=run)
 
