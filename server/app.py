@@ -37,6 +37,7 @@ from .config import ServerConfig, check_credentials
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
+from .tools import ParsedGeneration, prepare_chat
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
@@ -268,16 +269,20 @@ class _Service:
         engine = self.engine
         release = self.admit()
         try:
+            options, parser = parsed.options, None
             if parsed.kind == "chat":
-                tokens = await run_in_threadpool(engine.chat_tokens, list(parsed.messages))
+                tokens, options, parser = await run_in_threadpool(prepare_chat, engine, parsed.messages, options,
+                                                                  parsed.tools)
             elif isinstance(parsed.prompt, str):
                 tokens = await run_in_threadpool(engine.tokenize, parsed.prompt)
             else:
                 tokens = list(parsed.prompt)
             loop = asyncio.get_running_loop()
             wake = asyncio.Event()
-            gen = engine.submit(tokens, parsed.options, logprobs=parsed.logprobs,
+            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
                                 notify=lambda: loop.call_soon_threadsafe(wake.set))
+            if parser is not None:  # tools: content and tool calls parsed out of the text
+                gen = ParsedGeneration(gen, parser)
         except edgeinfer.EdgeInferError as e:
             release()
             if engine.closed:
@@ -323,11 +328,8 @@ class _Service:
                 if not batch:
                     yield ": keepalive\n\n"
                     continue
-                tokens = [e for e in batch if isinstance(e, edgeinfer.TokenEvent)]
-                if tokens:
-                    chunk = responder.delta_chunk(tokens)
-                    if chunk is not None:
-                        yield _sse(chunk)
+                for chunk in responder.delta_chunks(batch):
+                    yield _sse(chunk)
                 done = next((e for e in batch if isinstance(e, edgeinfer.DoneEvent)), None)
                 if done is not None:
                     _note(request, done)

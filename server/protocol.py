@@ -1,7 +1,7 @@
 """The OpenAI request and response shapes, translated to and from edgeinfer's public types.
 
 Parsing is strict: a field we cannot honour is a 400 that names it, never silently ignored
-(response_format json_schema, tools, n > 1, echo, suffix, logit_bias).
+(n > 1, echo, suffix, logit_bias). Tools and structured output: server/tools.py.
 """
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import edgeinfer
 
 from .errors import APIError
+from .tools import ToolDeltas, ToolFields, chat_message, parse_constraint, parse_tool_fields, tool_call_json
 
 __all__ = ["ParsedRequest", "parse_chat", "parse_completion", "finish_reason", "usage", "Responder"]
 
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "tool_calls": "tool_calls"}
 _MAX_STOP = 16
 
 
@@ -35,8 +36,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: not asked; else how many alternatives
-    messages: tuple[Mapping[str, str], ...] = ()
+    messages: tuple[Mapping[str, Any], ...] = ()
     prompt: str | tuple[int, ...] = ""
+    tools: ToolFields = ToolFields()
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -69,14 +71,7 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
     _integer(body, "n", 1, 1)  # one choice per request
     if body.get("logit_bias"):
         raise _bad("'logit_bias' is not supported", "logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools and function calling are not supported by this server", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, Mapping) else None
-        if kind != "text":
-            raise _bad(f"response_format {kind!r} is not supported: this server has no grammar-constrained "
-                       "sampling yet (only {'type': 'text'})", "response_format")
+    constraint = parse_constraint(body)
 
     max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_limit)
     if max_tokens is None:
@@ -134,6 +129,11 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
         raise _bad(f"invalid 'speculation': {e}", "speculation") from None
     except edgeinfer.InvalidOptionError as e:
         raise _bad(str(e)) from None
+    if constraint:  # a schema or grammar that does not compile: a 400 naming the field
+        try:
+            options = replace(options, **constraint).validate()
+        except edgeinfer.InvalidOptionError as e:
+            raise _bad(str(e), "grammar" if "grammar" in constraint else "response_format") from None
     return {
         "model": model,
         "options": options,
@@ -168,15 +168,20 @@ def parse_chat(body: Any, max_tokens_limit: int, default_speculation: str = "off
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}] must be an object with a 'role'", "messages")
-        parsed_messages.append({"role": m["role"], "content": _content(m, i)})
+        parsed_messages.append(chat_message(m, i, _content(m, i)))
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise _bad("'logprobs' must be a boolean", "logprobs")
     top = _integer(body, "top_logprobs", 0, 20)
     if top is not None and not logprobs:
         raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    tools = parse_tool_fields(body)
+    common = _common(body, max_tokens_limit, default_speculation)
+    if tools.active and (common["options"].grammar is not None or common["options"].json_schema is not None):
+        raise _bad("a JSON response_format or grammar cannot be combined with tools (unless tool_choice is "
+                   "'none')", "response_format")
     return ParsedRequest(kind="chat", messages=tuple(parsed_messages), logprobs=(top or 0) if logprobs else None,
-                         **_common(body, max_tokens_limit, default_speculation))
+                         tools=tools, **common)
 
 
 def parse_completion(body: Any, max_tokens_limit: int, default_speculation: str = "off") -> ParsedRequest:
@@ -189,6 +194,8 @@ def parse_completion(body: Any, max_tokens_limit: int, default_speculation: str 
         prompt = tuple(prompt)
     elif not isinstance(prompt, str) or not prompt:
         raise _bad("'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt")
+    if body.get("tools") is not None or body.get("functions") is not None:
+        raise _bad("tools work with /v1/chat/completions", "tools")
     if body.get("echo"):
         raise _bad("'echo' is not supported", "echo")
     if body.get("suffix"):
@@ -219,6 +226,7 @@ class Responder:
         self.created = int(time.time())
         self._token_bytes = token_bytes  # token id -> bytes (for logprobs)
         self._offset = 0  # text offset, for completion logprobs
+        self._tool_deltas = ToolDeltas()
 
     # -- logprobs --------------------------------------------------------------------------------
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
@@ -252,8 +260,11 @@ class Responder:
         text = "".join(e.text for e in events)
         reason = finish_reason(done.finish_reason)
         if self.req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.chat_logprobs(events), "finish_reason": reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if done.tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": [tool_call_json(c) for c in done.tool_calls]}
+            choice = {"index": 0, "message": message, "logprobs": self.chat_logprobs(events), "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(events), "finish_reason": reason}
@@ -271,6 +282,28 @@ class Responder:
             return None
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
+
+    def delta_chunks(self, batch: Sequence[Any]) -> list[dict[str, Any]]:
+        """The chunks of a batch of events, in order: runs of tokens as content deltas, runs of
+        tool-call events as `delta.tool_calls` (other events make none)."""
+        chunks: list[dict[str, Any]] = []
+        run: list[Any] = []
+        for e in [*batch, None]:
+            if run and (e is None or type(e) is not type(run[-1]) and not (
+                    isinstance(e, edgeinfer.TokenEvent) and isinstance(run[-1], edgeinfer.TokenEvent))):
+                if isinstance(run[0], edgeinfer.ToolCallEvent):
+                    entries = self._tool_deltas.entries(run)
+                    if entries:
+                        chunks.append(self._chunk([{"index": 0, "delta": {"tool_calls": entries}, "logprobs": None,
+                                                    "finish_reason": None}]))
+                else:
+                    chunk = self.delta_chunk(run)
+                    if chunk is not None:
+                        chunks.append(chunk)
+                run = []
+            if isinstance(e, (edgeinfer.TokenEvent, edgeinfer.ToolCallEvent)):
+                run.append(e)
+        return chunks
 
     def delta_chunk(self, events: list[edgeinfer.TokenEvent]) -> dict[str, Any] | None:
         text = "".join(e.text for e in events)

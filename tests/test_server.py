@@ -308,8 +308,9 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
     assert post({**ok, "max_tokens": 10**6}, 400)["param"] == "max_tokens"
     post({**ok, "temperature": "hot"}, 400)
     post({**ok, "n": 2}, 400)
-    assert "not supported" in post({**ok, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400)["message"]
-    post({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400)
+    assert post({**ok, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"oneOf": []}}}},
+                400)["param"] == "response_format"
+    assert post({**ok, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400)["param"] == "tools"
     post({**ok, "speculation": "draft"}, 400)
     assert post(b"{" + b" " * (2 << 20) + b"}", 413)["code"] == "request_too_large"
     r = httpx.get(server.url + "/nope")

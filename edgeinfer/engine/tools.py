@@ -286,10 +286,10 @@ def _grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: ToolCh
                 raise InvalidOptionError(f"tool {fn['name']!r}: {e}") from None
         prefix = f"{_P}{i}-"
         rules.append(_prefixed(args.gbnf, prefix).strip())
-        name = _gbnf_literal(fn["name"])
         kv = f'{_P}sp ":" {_P}sp'
         if fmt is MISTRAL_ARGS:
-            alternatives.append(f'{_gbnf_literal(fmt.start)} {name} {_gbnf_literal(fmt.end)} {prefix}root')
+            alternatives.append(f'{_gbnf_literal(fmt.start)} {_gbnf_literal(fn["name"])} {_gbnf_literal(fmt.end)} '
+                                f'{prefix}root')
             continue
         key = _gbnf_literal(json.dumps(fmt.args_key))
         body = (f'"{{" {_P}sp {_gbnf_literal(json.dumps("name"))} {kv} {_gbnf_literal(json.dumps(fn["name"]))} '
@@ -297,10 +297,9 @@ def _grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: ToolCh
         if fmt is MISTRAL:
             body += f' ( {_P}sp "," {_P}sp {_gbnf_literal(json.dumps("id"))} {kv} "\\"" [a-zA-Z0-9]{{9}} "\\"" )?'
         alternatives.append(body + f' {_P}sp "}}"')
-        del name
     rules.append(f"{_P}call ::= " + " | ".join(f"( {a} )" for a in alternatives))
     many = parallel
-    if fmt is HERMES:
+    if fmt is HERMES:  # (the model writes a newline after the start marker and before the end one)
         one = f'"<tool_call>" "\\n"? {_P}call "\\n"? "</tool_call>"'
         root = f"{one} ( {_P}ws {one} )*" if many else one
     elif fmt is LLAMA3:
