@@ -447,7 +447,7 @@ class _Compiler:
         keys = {k for k in schema if k not in _ANNOTATIONS}
         if "$ref" in schema:
             if keys != {"$ref"}:
-                raise InvalidOptionError(f'unsupported JSON schema keyword "{sorted(keys - {"$ref"})[0]}" '
+                raise InvalidOptionError(f'unsupported JSON schema keyword "{min(keys - {"$ref"})}" '
                                          f"beside $ref at {path}")
             return self.ref(schema["$ref"], path, depth)
         if "allOf" in schema:
@@ -468,7 +468,7 @@ class _Compiler:
             if not isinstance(alts, list) or not alts:
                 raise InvalidOptionError(f"JSON schema anyOf at {path} must be a non-empty array")
             if keys != {"anyOf"}:
-                raise InvalidOptionError(f'unsupported JSON schema keyword "{sorted(keys - {"anyOf"})[0]}" '
+                raise InvalidOptionError(f'unsupported JSON schema keyword "{min(keys - {"anyOf"})}" '
                                          f"beside anyOf at {path}")
             return self.add(path, " | ".join(self.visit(s, f"{path}/anyOf/{i}", depth + 1) for i, s in enumerate(alts)))
         types = schema.get("type")
@@ -489,7 +489,7 @@ class _Compiler:
             if keys & _BY_TYPE[t]:
                 return t
         if keys - {"type"}:
-            raise InvalidOptionError(f'JSON schema at {path} uses "{sorted(keys)[0]}" without a "type"')
+            raise InvalidOptionError(f'JSON schema at {path} uses "{min(keys)}" without a "type"')
         return None
 
     def ref(self, ref: Any, path: str, depth: int) -> str:

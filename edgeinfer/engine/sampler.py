@@ -90,26 +90,41 @@ def sampling_distribution(logits: np.ndarray, options: SamplingOptions) -> Token
     already applied, if any: -inf marks a forbidden token): top-k on the logits, top-p on their
     softmax (smallest prefix by descending probability whose sum reaches top_p, at least one token),
     min-p (logit ≥ max + log min_p), then softmax(logits / temperature) over what is left. Greedy is
-    the one-hot argmax. float64 on the (float32, zero-copy) row; only the top-k candidates are
-    converted when top_k > 0."""
+    the one-hot argmax. float64 on the (float32, zero-copy) row. Only what can survive is sorted:
+    the top-k candidates, or (top-k off) the tokens above the min-p threshold, or a prefix of the
+    order long enough to reach top_p; the top-p normalizer is then the sum over the whole row."""
     n = logits.shape[0]
     if options.greedy:
         return TokenDistribution(np.array([int(np.argmax(logits))], dtype=np.int64), np.ones(1))
+    zmax = float(logits.max())
+    if zmax == -np.inf:
+        raise InvalidOptionError("no token is allowed here (every logit is -inf)")
+    total = None  # the top-p normalizer relative to the max, when ids is not the whole candidate set
     if 0 < options.top_k < n:
         ids = np.argpartition(logits, n - options.top_k)[n - options.top_k :]
     else:
-        ids = np.arange(n)
+        if options.top_p < 1.0 or options.min_p > 0.0:
+            total = float(np.exp(logits.astype(np.float64) - zmax).sum())
+        if options.min_p > 0.0:
+            ids = np.flatnonzero(logits.astype(np.float64) >= zmax + np.log(options.min_p))
+        elif options.top_p < 1.0:
+            m = min(n, 256)
+            while True:  # the top m, grown until they hold top_p of the mass
+                ids = np.argpartition(logits, n - m)[n - m :] if m < n else np.arange(n)
+                if m == n or np.exp(logits[ids].astype(np.float64) - zmax).sum() >= options.top_p * total:
+                    break
+                m = min(n, m * 4)
+        else:
+            ids = np.flatnonzero(logits > -np.inf)
     z = logits[ids].astype(np.float64)
     order = np.argsort(-z, kind="stable")
     ids, z = ids[order], z[order]
     if z[-1] == -np.inf:  # forbidden tokens have probability 0: out of the support
         keep = int(np.count_nonzero(z > -np.inf))
-        if keep == 0:
-            raise InvalidOptionError("no token is allowed here (every logit is -inf)")
         ids, z = ids[:keep], z[:keep]
     if options.top_p < 1.0:
         e = np.exp(z - z[0])
-        cum = np.cumsum(e / e.sum())
+        cum = np.cumsum(e) / (e.sum() if total is None else total)
         keep = int(np.searchsorted(cum, options.top_p, side="left")) + 1
         ids, z = ids[:keep], z[:keep]
     if options.min_p > 0.0:
@@ -214,7 +229,7 @@ class Sampler:
             ll.llama_sampler_chain_add(chain, s)  # the chain owns it from here
 
         try:
-            if self._penalized:
+            if self._penalized and self.grammar is None:  # under a grammar they are applied in numpy
                 add(ll.llama_sampler_init_penalties(self.runtime.facts.n_vocab, o.repeat_last_n, o.repeat_penalty,
                                                     o.frequency_penalty, o.presence_penalty))
             if o.greedy:
@@ -307,25 +322,25 @@ class Sampler:
     def _logits(self, row: int | np.ndarray) -> np.ndarray:
         return row if isinstance(row, np.ndarray) else self.runtime.logits_row(row)
 
-    def _candidates(self, logits: np.ndarray) -> None:
-        """Fill the candidates array with `logits` (ids in vocabulary order, the whole vocabulary) and
-        apply the grammar, if any. Raises when the grammar allows no token."""
+    def _fill(self, ids: np.ndarray, values: np.ndarray | float) -> Any:
+        """The candidates array holding `ids` with `values` as logits; returns the llama.cpp struct."""
         if self._cand is None:
             self._buffers()
         cand, arr = self._cand, self._arr
         assert cand is not None
-        cand["id"] = np.arange(len(cand), dtype=np.int32)
-        cand["logit"] = logits
-        cand["p"] = 0.0
-        arr.size, arr.selected, arr.sorted = len(cand), -1, False
-        if self._grammar is None:
-            return
-        if self._hidden.size:
-            cand["logit"][self._hidden] = -np.inf
+        k = len(ids)
+        cand["id"][:k] = ids
+        cand["logit"][:k] = values
+        cand["p"][:k] = 0.0
+        arr.size, arr.selected, arr.sorted = k, -1, False
+        return arr
+
+    def _grammar_allows(self, ids: np.ndarray) -> np.ndarray:
+        """Which of `ids` the grammar allows next (llama.cpp's grammar sampler on a candidates array)."""
+        arr = self._fill(ids, 0.0)
         backend().llama_sampler_apply(self._grammar, ctypes.byref(arr))
-        if not np.isfinite(cand["logit"]).any():
-            raise InvalidOptionError("the grammar allows no token here (no token of this model's vocabulary "
-                                     "continues it, and it is not complete)")
+        assert self._cand is not None
+        return self._cand["logit"][: len(ids)] == 0.0
 
     def _penalize(self, z: np.ndarray) -> None:
         """llama.cpp's penalties sampler, in place on the float32 row `z` (same float32 arithmetic)."""
@@ -341,25 +356,95 @@ class Sampler:
         v -= c * np.float32(o.frequency_penalty) + np.float32(1.0) * np.float32(o.presence_penalty)
         z[ids] = v
 
-    def transformed_logits(self, row: int | np.ndarray) -> np.ndarray:
-        """The row after the grammar's mask (-inf) and the penalties: what top-k etc. see. The raw
-        row itself (zero-copy, do not write) when there are neither."""
+    def _penalized_row(self, row: int | np.ndarray) -> np.ndarray:
+        """The row after the penalties (and with forbidden control tokens at -inf under a grammar): a
+        copy, or the raw zero-copy row (not to be written) when there is nothing to change."""
         logits = self._logits(row)
-        if self._grammar is None and not self._penalized:
+        if not self._penalized and not self._hidden.size:
             return logits
-        if self._grammar is not None:
-            self._candidates(logits)
-            assert self._cand is not None
-            z = self._cand["logit"].copy()
-        else:
-            z = np.array(logits, dtype=np.float32, copy=True)
+        z = np.array(logits, dtype=np.float32, copy=True)
+        z[self._hidden] = -np.inf
         self._penalize(z)
         return z
 
+    def _constrained(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The allowed tokens (ids ascending, values) that decide what the chain does with the row `z`
+        under the grammar — exactly, without asking the grammar about the whole vocabulary: tokens
+        are checked in descending order of logit, in growing chunks, until the tokens not yet
+        checked (all of lower logit) can change nothing: not the max (greedy), not the top-k set,
+        nor anything min-p keeps, nor where top-p cuts (its normalizer bounded from both sides).
+        Raises when the grammar allows no token."""
+        n = len(z)
+        done = 0
+        ids_parts: list[np.ndarray] = []
+        top = np.zeros(0, dtype=np.int64)
+        for m in (64, 1024, n):  # the last round takes all the rest at once, unsorted
+            if m >= n:
+                rest_ids = np.ones(n, dtype=bool)
+                rest_ids[top] = False
+                chunk = np.flatnonzero(rest_ids & (z > -np.inf))
+                if len(chunk):
+                    ok = chunk[self._grammar_allows(chunk)]
+                    ids_parts.append(ok[np.argsort(-z[ok], kind="stable")])
+                break
+            top = np.argpartition(z, n - m)[n - m :]
+            top = top[np.argsort(-z[top], kind="stable")]
+            chunk = top[done:m]
+            chunk = chunk[z[chunk] > -np.inf]
+            if len(chunk):
+                ids_parts.append(chunk[self._grammar_allows(chunk)])
+            done = m
+            found = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+            if len(found) and self._decided(z[found].astype(np.float64), float(z[top[m - 1]]), n - m):
+                break
+        ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+        if not len(ids):
+            raise InvalidOptionError("the grammar allows no token here (no token of this model's vocabulary "
+                                     "continues it, and it is not complete)")
+        ids = np.sort(ids)
+        return ids, z[ids]
+
+    def _decided(self, vals: np.ndarray, low: float, rest: int) -> bool:
+        """Whether allowed tokens with values `vals` (descending) decide the chain's result when up to
+        `rest` more allowed tokens may exist, each with a logit of at most `low`."""
+        o = self.options
+        if o.greedy:
+            return True  # vals[0] is the largest allowed logit
+        k = o.top_k
+        if 0 < k <= len(vals):
+            return True  # the top-k set is known
+        unknown = rest if k <= 0 else min(rest, k - len(vals))
+        top = vals[0]
+        threshold = top + np.log(o.min_p) if o.min_p > 0.0 else -np.inf
+        unknown_pass_min_p = low >= threshold
+        if o.top_p >= 1.0:
+            return not unknown_pass_min_p
+        w = np.exp(vals - top)
+        cum = np.cumsum(w)
+        z_lo = cum[-1]
+        z_hi = z_lo + unknown * np.exp(low - top)
+        keep_lo = int(np.searchsorted(cum, o.top_p * z_lo, side="left")) + 1
+        keep_hi = int(np.searchsorted(cum, o.top_p * z_hi, side="left")) + 1
+        n_thr = int(np.count_nonzero(vals >= threshold))
+        if keep_hi > len(vals) and unknown_pass_min_p:
+            return False  # top-p may reach into the unknown tokens, and min-p would keep them
+        return min(keep_lo, n_thr) == min(keep_hi, n_thr)
+
+    def _row(self, row: int | np.ndarray) -> np.ndarray:
+        """What top-k etc. see: the row penalized and, under a grammar, -inf wherever the grammar
+        forbids (or where `_constrained` showed the answer does not depend on it)."""
+        z = self._penalized_row(row)
+        if self._grammar is None:
+            return z
+        ids, vals = self._constrained(z)
+        out = np.full(len(z), -np.inf, dtype=np.float32)
+        out[ids] = vals
+        return out
+
     def distribution(self, row: int | np.ndarray) -> TokenDistribution:
         """The distribution `sample(row)` draws from in the current state: batch row `row` of the last
-        decode (or a logits row given as an array), constrained and penalized, then transformed."""
-        return sampling_distribution(self.transformed_logits(row), self.options)
+        decode (or a logits row given as an array), penalized and constrained, then transformed."""
+        return sampling_distribution(self._row(row), self.options)
 
     def sample(self, row: int | np.ndarray) -> int:
         """Sample the token for batch row `row` of the last decode with llama.cpp's chain, and accept it."""
@@ -370,15 +455,12 @@ class Sampler:
             token = int(ll.llama_sampler_sample(self._chain, self.runtime.ctx, row))  # accepts into the chain
             self._advance(token, chain=False)
             return token
-        logits = self._logits(row)
-        if self._grammar is not None and self.options.greedy and not self._penalized:
-            # The unconstrained argmax, when the grammar allows it, is the constrained argmax.
-            best = int(np.argmax(logits))
-            if self.allowed(best):
-                self._advance(best, chain=True)
-                return best
-        self._candidates(logits)
-        arr = self._arr
+        if self._grammar is None:  # a row given as an array: the same chain on our candidates array
+            logits = self._logits(row)
+            arr = self._fill(np.arange(len(logits), dtype=np.int32), logits)
+        else:  # the chain (without penalties: they are in the row) on the allowed tokens that matter
+            ids, vals = self._constrained(self._penalized_row(row))
+            arr = self._fill(ids, vals)
         ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
         if not 0 <= arr.selected < arr.size:
             raise InvalidOptionError("llama.cpp's sampler selected no token")
