@@ -344,12 +344,12 @@ class _Service:
     # -- routes ----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         body = await self.read_json(request)
-        return await self.generate(request, parse_chat(body, self.max_tokens_limit, self.config.default_speculation))
+        return await self.generate(request, parse_chat(body, self.max_tokens_limit, self.engine.speculation))
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
         return await self.generate(request, parse_completion(body, self.max_tokens_limit,
-                                                             self.config.default_speculation))
+                                                             self.engine.speculation))
 
     async def models(self, request: Request) -> Response:
         engine = self.engine

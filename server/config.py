@@ -55,7 +55,6 @@ class ServerConfig:
     api_key: str | None = None  # Bearer token; required when host is not loopback
     max_body_bytes: int = 1 << 20  # 1 MiB of JSON is far more than any context holds
     max_tokens_limit: int | None = None  # None: the per-request context
-    default_speculation: str = "off"  # off | lookup | auto
     shutdown_grace_s: float = 5.0  # Ctrl-C / SIGTERM: running requests may finish for this long
     keepalive_s: float = 15.0  # SSE comment lines while a stream waits (queued requests)
     # Browsers. Host names accepted besides localhost, *.localhost, IP addresses and `host`
@@ -85,10 +84,6 @@ class ServerConfig:
             raise edgeinfer.InvalidOptionError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise edgeinfer.InvalidOptionError(f"max_tokens_limit must be at least 1, got {self.max_tokens_limit}")
-        if self.default_speculation not in ("off", "lookup", "auto"):
-            raise edgeinfer.InvalidOptionError(
-                f"the server speculates with off, lookup or auto, not {self.default_speculation!r}"
-            )
         if self.max_queue < 0:
             raise edgeinfer.InvalidOptionError(f"max_queue must be at least 0, got {self.max_queue}")
         if self.max_connections < 1:

@@ -63,7 +63,46 @@ def _integer(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None
     return v
 
 
-def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation: str) -> dict[str, Any]:
+def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) -> edgeinfer.SpeculationOptions:
+    """The extra field `speculation`: off, lookup, or the server's own method (its --speculate: a
+    draft model or self-draft it opened, or auto), as a name or {"method": ..., "draft_max": ...}.
+    A request never names a model file: the server's disk is not the client's to choose."""
+    spec = body.get("speculation")
+    if spec is None:
+        return server
+    if isinstance(spec, str):
+        method, knobs = spec, {}
+    elif isinstance(spec, Mapping):
+        method = spec.get("method", server.method)
+        knobs = {k: v for k, v in spec.items() if k != "method"}
+    else:
+        raise _bad("'speculation' must be a method name or an object", "speculation")
+    unknown = sorted(set(knobs) - _SPECULATION_KNOBS)
+    if unknown:
+        raise _bad(f"'speculation' may set {', '.join(sorted(_SPECULATION_KNOBS))}, not {', '.join(unknown)} "
+                   "(the draft model is the server's --speculate)", "speculation")
+    if method in ("off", "lookup") or (method == "auto" and server.method != "auto"):
+        base = edgeinfer.SpeculationOptions(method=method) if isinstance(method, str) else None
+    elif method == server.method:
+        base = server
+    elif method in ("draft", "self"):
+        raise _bad(f"speculation {method!r} needs a draft model this server did not open "
+                   f"(it speculates with {server.method!r}: start it with --speculate {method}=...)", "speculation")
+    else:
+        base = None
+    if base is None:
+        raise _bad(f"'speculation' must be off, lookup, auto, draft or self, got {method!r}", "speculation")
+    try:
+        return replace(base, **knobs).validate()
+    except edgeinfer.InvalidOptionError as e:
+        raise _bad(f"invalid 'speculation': {e}", "speculation") from None
+
+
+_SPECULATION_KNOBS = {"draft_max", "draft_min", "p_min", "adaptive"}
+
+
+def _common(body: Mapping[str, Any], max_tokens_limit: int,
+            speculation: edgeinfer.SpeculationOptions) -> dict[str, Any]:
     """The fields chat and completions share, as keyword arguments of ParsedRequest."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -104,13 +143,7 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
     if seed is not None:
         sampling["seed"] = seed  # as given: SamplingOptions maps OpenAI's int64 range to llama.cpp's seed
 
-    spec = body.get("speculation", default_speculation)
-    if isinstance(spec, str):
-        spec_opts = {"method": spec}
-    elif isinstance(spec, Mapping):
-        spec_opts = dict(spec)
-    else:
-        raise _bad("'speculation' must be a method name or an object", "speculation")
+    spec = _speculation(body, speculation)
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -123,10 +156,8 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int, default_speculation:
             max_tokens=max_tokens or max_tokens_limit,
             stop=stops,
             sampling=edgeinfer.SamplingOptions(**sampling),
-            speculation=edgeinfer.SpeculationOptions(**spec_opts),
+            speculation=spec,
         ).validate()
-    except TypeError as e:  # an unknown key in the speculation object
-        raise _bad(f"invalid 'speculation': {e}", "speculation") from None
     except edgeinfer.InvalidOptionError as e:
         raise _bad(str(e)) from None
     if constraint:  # a schema or grammar that does not compile: a 400 naming the field
@@ -158,7 +189,8 @@ def _content(message: Mapping[str, Any], i: int) -> str:
     raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def parse_chat(body: Any, max_tokens_limit: int, default_speculation: str = "off") -> ParsedRequest:
+def parse_chat(body: Any, max_tokens_limit: int,
+               speculation: edgeinfer.SpeculationOptions = edgeinfer.DEFAULT_SPECULATION) -> ParsedRequest:
     if not isinstance(body, Mapping):
         raise _bad("the request body must be a JSON object")
     messages = body.get("messages")
@@ -176,7 +208,7 @@ def parse_chat(body: Any, max_tokens_limit: int, default_speculation: str = "off
     if top is not None and not logprobs:
         raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools = parse_tool_fields(body)
-    common = _common(body, max_tokens_limit, default_speculation)
+    common = _common(body, max_tokens_limit, speculation)
     if tools.active and (common["options"].grammar is not None or common["options"].json_schema is not None):
         raise _bad("a JSON response_format or grammar cannot be combined with tools (unless tool_choice is "
                    "'none')", "response_format")
@@ -184,7 +216,8 @@ def parse_chat(body: Any, max_tokens_limit: int, default_speculation: str = "off
                          tools=tools, **common)
 
 
-def parse_completion(body: Any, max_tokens_limit: int, default_speculation: str = "off") -> ParsedRequest:
+def parse_completion(body: Any, max_tokens_limit: int,
+                     speculation: edgeinfer.SpeculationOptions = edgeinfer.DEFAULT_SPECULATION) -> ParsedRequest:
     if not isinstance(body, Mapping):
         raise _bad("the request body must be a JSON object")
     prompt = body.get("prompt")
@@ -204,7 +237,7 @@ def parse_completion(body: Any, max_tokens_limit: int, default_speculation: str 
         raise _bad("'best_of' must be 1", "best_of")
     logprobs = _integer(body, "logprobs", 0, 5)
     return ParsedRequest(kind="completion", prompt=prompt, logprobs=logprobs,
-                         **_common(body, max_tokens_limit, default_speculation))
+                         **_common(body, max_tokens_limit, speculation))
 
 
 def usage(stats: edgeinfer.GenerationStats) -> dict[str, Any]:

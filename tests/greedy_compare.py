@@ -26,14 +26,22 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def assert_same_or_near_tie(engine, prompt: Sequence[int], reference: Sequence[int], other: Sequence[int]) -> None:
     """`other` equals `reference` (both greedy continuations of `prompt`) or parts from it first at a
-    near-tie of `engine`'s logits. An output that stops early while the other goes on fails."""
+    near-tie of `engine`'s logits and stays a greedy continuation after that: each of its later
+    tokens is the engine's top token (or within a near-tie of it) given the tokens before it. An
+    output that stops early while the other goes on fails."""
     i = first_divergence(reference, other)
     if i is None:
         return
     if i >= min(len(reference), len(other)):
         pytest.fail(f"outputs of different lengths agree up to {i} tokens but one stops there")
-    row = engine.logits(list(prompt) + list(reference[:i]), start=len(prompt) + i - 1)[0]
-    top2 = np.sort(row)[-2:]
+    rows = engine.logits(list(prompt) + list(other), start=len(prompt) + i - 1)
+    top2 = np.sort(rows[0])[-2:]
     margin = float(top2[1] - top2[0])
     print(f"outputs part at token {i}: top-2 margin {margin:.4f}")
     assert margin < NEAR_TIE, f"outputs differ at token {i} where the top-2 margin is {margin:.4f}"
+    # After the tie `other` follows its own branch: it must still be greedy there, token by token.
+    for j in range(i + 1, len(other)):
+        row = rows[j - i]
+        behind = float(row.max() - row[other[j]])
+        assert behind < NEAR_TIE, (f"after the near-tie at {i}, token {j} ({other[j]}) is {behind:.4f} below the "
+                                   "top logit: not a greedy continuation")

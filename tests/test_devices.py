@@ -217,3 +217,17 @@ def test_gpu_offload_puts_layers_on_the_device_and_keeps_greedy_output(default_m
     assert f"offloaded {placement.n_layer + 1}/{placement.n_layer + 1} layers to GPU" in "".join(said)
     with edgeinfer.load(default_model_path) as _auto:  # auto: everything fits a real GPU
         assert devices.last_placement(default_model_path).n_gpu_layers == placement.n_layer + 1
+
+
+def test_a_draft_model_follows_the_targets_placement_unless_told(default_model_path, capsys):
+    """draft=, self= and auto= load their draft model with the target's placement; --draft-gpu-layers
+    (LoadOptions.draft_gpu_layers) places it apart (and drops the target's split)."""
+    target = LoadOptions(n_threads=1, n_gpu_layers=5, tensor_split=(1.0, 2.0))
+    same = target.draft_options(n_ctx=512)
+    assert (same.n_gpu_layers, same.tensor_split, same.n_ctx, same.n_threads) == (5, (1.0, 2.0), 512, 1)
+    apart = LoadOptions(n_threads=1, n_gpu_layers=5, tensor_split=(1.0, 2.0), draft_gpu_layers=0).draft_options()
+    assert (apart.n_gpu_layers, apart.tensor_split) == (0, ())
+    code = main(["run", "--draft-gpu-layers", "0", "--speculate", f"draft={default_model_path}", "-n", "4",
+                 "--temperature", "0", "--threads", "1", "--json", "Hi"])
+    out = capsys.readouterr().out
+    assert code == 0 and json.loads(out)["stats"]["speculation"]["method"] == "draft"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -329,10 +330,29 @@ def test_speculation_per_request(server):
     text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     prompt = f"Repeat this code exactly:\n\n{text}"
     plain = chat(client, prompt, max_tokens=60)
-    fast = chat(client, prompt, max_tokens=60, extra_body={"speculation": "lookup"})
-    spec = fast.model_extra["edgeinfer"]["speculation"]
-    assert spec["method"] == "lookup"
-    assert fast.choices[0].message.content == plain.choices[0].message.content
+    # A fixed draft length drafts wherever lookup finds a match, whatever this machine's costs say.
+    fixed = {"method": "lookup", "adaptive": False, "draft_max": 4}
+    for extra in ("lookup", fixed):
+        fast = chat(client, prompt, max_tokens=60, extra_body={"speculation": extra})
+        spec = fast.model_extra["edgeinfer"]["speculation"]
+        assert spec["method"] == "lookup"
+        assert fast.choices[0].message.content == plain.choices[0].message.content
+    assert spec["drafted"] > 0 and spec["accepted"] > 0, spec
+    off = chat(client, prompt, max_tokens=8, extra_body={"speculation": "off"})
+    assert "speculation" not in off.model_extra["edgeinfer"]
+
+
+@pytest.mark.slow
+def test_a_request_cannot_name_a_draft_model(server):
+    """The draft model is the server's --speculate: a request naming a file on the server's disk,
+    or a method the server did not open, is a 400 that says so."""
+    import openai
+
+    client = server.client()
+    for extra, words in (({"method": "draft", "draft_model": "/etc/passwd"}, "may set"),
+                         ("draft", "did not open"), ({"self_quant": "Q2_K"}, "may set"), ("nonsense", "must be")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            chat(client, "Hi", max_tokens=2, extra_body={"speculation": extra})
 
 
 # -- one slot: disconnects and Ctrl-C ------------------------------------------------------------------
@@ -363,7 +383,7 @@ def test_disconnect_mid_stream_frees_the_slot(one_slot):
         # the connection is closed here, mid-stream
     nxt = chat(one_slot.client(api_key=KEY), "Say hi.", max_tokens=4)
     assert nxt.choices[0].finish_reason in ("stop", "length")
-    assert 'reason="cancelled"} 1' in one_slot.metrics(auth)
+    assert re.search(r'reason="cancelled"\} 1$', one_slot.metrics(auth), re.MULTILINE)
 
 
 @pytest.mark.slow
@@ -378,5 +398,6 @@ def test_ctrl_c_ends_running_streams_cleanly(f16_path, tmp_path):  # noqa: F811
     s.proc.send_signal(signal.SIGINT)
     rest = list(chunks)
     finishes = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
-    assert finishes and finishes[-1] in ("cancelled", "stop", "length")
+    # 2000 tokens of a story take minutes here: the 1 s grace ends it, as cancelled.
+    assert finishes == ["cancelled"], finishes
     assert s.proc.wait(timeout=60) == 0

@@ -119,7 +119,14 @@ def test_greedy_output_is_token_identical(f16_engine, plain_greedy, case):
     fast = run(f16_engine, PROMPTS[prompt_index], greedy(N_GREEDY, spec))
     assert fast.tokens == plain.tokens
     assert fast.text == plain.text
-    assert fast.stats.speculation is not None
+    sp = fast.stats.speculation
+    assert sp is not None and sp.method == spec.method
+    # Every step is a drafting or a plain one, and each gives one token plus what it accepted (the
+    # first token comes from the prompt; an EOS that ends the output is a step's token too).
+    assert sp.steps + sp.plain_steps + sp.accepted + 1 - len(fast.tokens) in (0, 1), sp
+    if prompt_index != 2:  # text to copy (the free story may give lookup nothing): lookup drafts,
+        # adaptive or not (the policy explores where its estimates say no), and is accepted
+        assert sp.drafted > 0 and sp.accepted > 0, sp
 
 
 def test_fixed_k_lookup_drafts_rejects_and_leaves_a_consistent_cache(f16_engine, plain_greedy):

@@ -104,11 +104,14 @@ def add_placement_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-split", type=_tensor_split, default=(), metavar="HOST,DEV1,...",
                    help="shares of the layers: this machine first, then each worker in --rpc order, then local GPUs "
                    "(e.g. 1,1,1; default: by the devices' free memory)")
+    p.add_argument("--draft-gpu-layers", type=_gpu_layers, default=None, metavar="N|all|auto",
+                   help="layers of a draft model or self-draft on GPUs and workers (default: as the target's)")
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, object]:
     """The LoadOptions fields of the placement flags."""
-    return {"n_gpu_layers": args.gpu_layers, "rpc": args.rpc, "tensor_split": args.tensor_split}
+    return {"n_gpu_layers": args.gpu_layers, "rpc": args.rpc, "tensor_split": args.tensor_split,
+            "draft_gpu_layers": getattr(args, "draft_gpu_layers", None)}
 
 
 def int_range(lo: int, hi: int | Callable[[], int]) -> Callable[[str], int]:

@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
     add_placement_options(p)
     p.add_argument("--speculate", default="off", metavar="SPEC",
-                   help="default for requests: off | lookup | auto (= lookup with parallel sequences); "
-                   "a request may choose its own with the extra body field 'speculation'")
+                   help="speculation for requests: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q4_K_M "
+                   "(a draft model or self-draft is opened at start-up, one sequence per slot); a request may "
+                   "turn it off or choose lookup with the extra body field 'speculation'")
     key = p.add_argument_group("who may call it")
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (mandatory off localhost); other users "
                      f"can read it in the process list: prefer {API_KEY_ENV} or --api-key-file")
@@ -135,6 +136,12 @@ def _server_log_to_stderr() -> Iterator[None]:
         logger.propagate = saved[1]
 
 
+def _say_progress(event) -> None:  # noqa: ANN001 - edgeinfer.SpeculationProgress
+    """Preparing a draft model at start-up (a self-draft may be quantized first): one line a stage."""
+    if event.stage != "quantize" or event.done in (0, event.total):
+        print(f"edgeinfer: {event.message}", file=sys.stderr, flush=True)
+
+
 def serve(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -145,17 +152,19 @@ def serve(args: argparse.Namespace) -> int:
 
     config = edgeinfer_server.ServerConfig(
         host=args.host, port=args.port, api_key=api_key(args), max_body_bytes=args.max_body,
-        max_tokens_limit=args.max_tokens_limit, default_speculation=args.speculate, shutdown_grace_s=args.grace,
+        max_tokens_limit=args.max_tokens_limit, shutdown_grace_s=args.grace,
         allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origins, max_queue=args.max_queue,
         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
     ).validate()  # a refused option is a one-line error before the model loads
+    speculation = edgeinfer.SpeculationOptions.parse(args.speculate)  # a bad one is an error before loading
     load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type,
                                  **placement_options(args)).validate()
     sock = edgeinfer_server.bind(config.host, config.port)  # ... and so is a port in use
     try:
         try:
-            engine = edgeinfer.BatchEngine.load(args.model, load, edgeinfer.BatchOptions(parallel=args.parallel))
+            engine = edgeinfer.BatchEngine.load(args.model, load, edgeinfer.BatchOptions(parallel=args.parallel),
+                                                speculation=speculation, progress=_say_progress)
         except edgeinfer.ContextLengthError as e:  # e.g. the context split into too small slots
             if "--ctx" in str(e):
                 raise

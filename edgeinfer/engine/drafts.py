@@ -115,9 +115,8 @@ class DraftModels:
 
     def _open(self, path: Path) -> LlamaRuntime:
         admit(path, self.target.store)  # validated, and loaded once in a child, like any model
-        o = self.target.options
-        return LlamaRuntime(path, LoadOptions(n_ctx=self._target_rt.n_ctx, n_threads=o.n_threads, n_batch=o.n_batch),
-                            n_seq_max=self._n_slots)
+        # The target's threads, batch and placement (GPU layers, RPC workers) unless draft_gpu_layers says otherwise.
+        return LlamaRuntime(path, self.target.options.draft_options(n_ctx=self._target_rt.n_ctx), n_seq_max=self._n_slots)
 
     def _self_draft(self, quant: str, report: ProgressCallback, cancel: CancelToken) -> Path:
         """A quantized copy of the target: from the store, or made by the quantizer on first use."""
