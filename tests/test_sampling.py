@@ -496,6 +496,56 @@ def test_grammar_mask_and_constrained_samples(runtime, row):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("o", [SamplingOptions(temperature=0), *SAMPLED], ids=["greedy", *SAMPLED_IDS])
+def test_constrained_distribution_for_every_option(runtime, row, o):
+    """Under a grammar that forbids the row's likeliest tokens, for every option set (penalties over
+    a generated history too): exactly the reference over the allowed tokens. The sampler checks only
+    as many tokens against the grammar as decide the result; this is the check that it stops right."""
+    pattern = r"[a-km-xz ]+"
+    allowed = _allowed_by_regex(runtime, pattern, eog=True)
+    history = [int(t) for t in np.argsort(-np.where(allowed, row, -np.inf))[:4]] * 2
+    s = Sampler(runtime, o, Grammar(f"root ::= {pattern}"))
+    for t in history:
+        s.accept(t)
+    ref = reference_probs(row, o, history, allowed=allowed)
+    d = s.distribution(row)
+    assert d.ids.tolist() == sorted(ref)
+    np.testing.assert_allclose(d.probs, [ref[t] for t in sorted(ref)], rtol=2e-4, atol=1e-7)
+    tok = s.sample(row)
+    assert tok in ref
+    s.close()
+
+
+@pytest.mark.slow
+def test_rejection_rule_under_a_grammar(runtime, engine, row):
+    """Speculative sampling with constrained p (the target's sampler) and constrained q (a fork on a
+    draft's row): every token is distributed as p, and a token the grammar forbids is never kept."""
+    from edgeinfer.engine.sampler import verify_sampled_draft
+
+    o = SamplingOptions(temperature=1.0, top_k=0, top_p=0.95, min_p=0.02)
+    g = Grammar("root ::= [a-km-xz ]+")
+    target = Sampler(runtime, o, g)
+    p = target.distribution(row)
+    draft_row = engine.logits(engine.tokenize("In a small village there lived a"))[-1]
+    fork = target.fork()
+    q = fork.distribution(draft_row)
+    fork.close()
+    assert set(q.ids.tolist()) != set(p.ids.tolist())
+    rng = np.random.default_rng(11)
+    counts, kept = Counter(), 0
+    for _ in range(4000):
+        x = q.draw(rng)
+        k, tok = verify_sampled_draft(p, q, x, rng)
+        counts[tok] += 1
+        kept += k
+    assert set(counts) <= set(p.ids.tolist())
+    ref = dict(zip(p.ids.tolist(), p.probs.tolist()))
+    assert chi2_pvalue(counts, ref) > P_MIN
+    assert 0 < kept < 4000
+    target.close()
+
+
+@pytest.mark.slow
 def test_greedy_grammar_fork_and_lazy(runtime, row):
     g = Grammar('root ::= " " [0-9]+')
     s = Sampler(runtime, SamplingOptions(temperature=0), g)
