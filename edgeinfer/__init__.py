@@ -25,6 +25,7 @@ from .engine.events import (
     ToolCall,
     ToolCallEvent,
 )
+from .engine.grammar import Grammar, json_schema_to_grammar
 from .engine.options import (
     DEFAULT_GENERATE,
     DEFAULT_LOAD,
@@ -79,6 +80,8 @@ __all__ = [
     "LoadOptions",
     "GenerateOptions",
     "SamplingOptions",
+    "Grammar",
+    "json_schema_to_grammar",
     "SpeculationOptions",
     "DEFAULT_LOAD",
     "DEFAULT_SAMPLING",

@@ -36,7 +36,7 @@ os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
 # more on 2 cores) go first instead, longest first; the rest follow in collection order
 # (--no-loadscope-reorder in pyproject.toml). A file missing here only runs later.
 _LONGEST_FIRST = (
-    "test_speculation.py", "test_batch_engine.py", "test_real_speculation_draft.py", "test_server.py",
+    "test_speculation.py", "test_batch_engine.py", "test_sampling.py", "test_real_speculation_draft.py", "test_server.py",
     "test_quantize.py", "test_cli.py", "test_convert_quantized.py", "test_convert_numeric.py",
     "test_hub_e2e.py", "test_convert_roundtrip.py", "test_engine.py", "test_real_models.py",
     "hostile/test_store.py", "test_convert.py", "test_evaluate.py", "test_kv_cache.py",
