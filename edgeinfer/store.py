@@ -35,6 +35,7 @@ import filelock
 from filelock import FileLock
 
 from . import paths
+from .default_model import DEFAULT_MODEL  # its one source, beside the code that finds the shipped file
 from .errors import InvalidModelError, InvalidOptionError, ModelNotFoundError, StoreError
 from .fsutil import PARTIAL_SUFFIX, atomic_write_text, being_written, is_inside, sha256_file
 from .gguf_file import GGUFInfo
@@ -50,7 +51,6 @@ __all__ = [
     "DEFAULT_MODEL",
 ]
 
-DEFAULT_MODEL = "smollm2-135m-instruct:q4_1"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 _MAX_MANIFEST_BYTES = 4 << 20  # a manifest is a few KB; a bigger file is not one of ours
 

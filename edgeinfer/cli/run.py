@@ -13,6 +13,7 @@ import sys
 from ._common import INT32_MAX, ctx_type, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type, THREADS_HELP
 
 from ._common import add_placement_options, placement_options
+from ._interactive import PrefillLine, stream_reply
 
 __all__ = ["register"]
 
@@ -30,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="generate text with a model (streams to stdout)",
         description="Generate text. With one positional argument it is the prompt unless it names a model "
         "(an argument shaped like NAME:TAG or *.gguf that names nothing is an error: use -p for such a prompt); "
-        "with none, the prompt is read from -p, -f FILE or standard input. No model means the default model.",
+        "with none, the prompt is read from -p, -f FILE or standard input, and at a terminal a line chat opens "
+        "(/bye quits, /set system TEXT, \"\"\" for several lines). No model means the default model.",
     )
     p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]", help="model (store name or .gguf path) and prompt")
     p.add_argument("-p", "--prompt", help="the prompt (also when it looks like a model name)")
@@ -209,8 +211,10 @@ def run(args: argparse.Namespace) -> int:
     import edgeinfer
 
     model, prompt = _split_model_and_prompt(args)
-    text = _read_prompt(args, prompt)
-    if not text.strip():
+    # no prompt at a terminal: a line chat (as `ollama run`), once the model is loaded
+    interactive = prompt is None and not args.file and sys.stdin.isatty() and not (args.json or args.raw)
+    text = "" if interactive else _read_prompt(args, prompt)
+    if not interactive and not text.strip():
         raise edgeinfer.InvalidOptionError("the prompt is empty")
     system = None if args.system is None else argument_text(args.system, "--system", args.encoding_errors)
     stop = tuple(argument_text(s, "--stop", args.encoding_errors) for s in args.stop)
@@ -241,6 +245,12 @@ def run(args: argparse.Namespace) -> int:
         if args.ctx is not None and engine.n_ctx != args.ctx:
             print(f"edgeinfer: note: context of {args.ctx} tokens rounded to {engine.n_ctx} by llama.cpp", file=sys.stderr)
         _prepare_speculation(engine, options.speculation)
+        if interactive:
+            from ._interactive import line_chat
+
+            if args.chatml:
+                engine.chat_template = "chatml"
+            return line_chat(engine, options, system)
         if args.raw:
             gen = engine.generate(text, options)
         else:
@@ -259,10 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
         previous = signal.signal(signal.SIGINT, on_interrupt)
         try:
-            for event in gen:
-                if isinstance(event, edgeinfer.TokenEvent) and not args.json:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
+            stream_reply(gen, sys.stdout, PrefillLine(), show=not args.json)  # the prompt's progress on a terminal
         finally:
             signal.signal(signal.SIGINT, previous)
         done = gen.done
