@@ -191,8 +191,7 @@ def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
     distribution: chi-square of the speculative samples against the probabilities llama.cpp's
     sampler chain gives on the target's logits, for every sequence expected at least 5 times (the
     rest pooled). (A fourth token is asked for: a step drafts at most the tokens before its last.)"""
-    from scipy import stats
-    from test_rejection_sampling import llama_chain_distribution
+    from sequence_chi_square import sequence_chi_square
 
     prompt = f16_engine.chat_tokens([{"role": "user", "content": "Name a colour."}])
     sampling = SamplingOptions(temperature=0.7)
@@ -209,28 +208,8 @@ def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
         accepted += done.stats.speculation.accepted
     assert drafted >= 2 * n and 0 < accepted < drafted  # tokens 2 and 3 were drafted, and rejected at times
 
-    # The exact probabilities of the likely sequences, walking the tree of prefixes.
-    expected: dict[tuple[int, ...], float] = {}
-    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    while frontier:
-        prefix, p = frontier.pop()
-        dist = llama_chain_distribution(f16_engine.logits(prompt + list(prefix), start=len(prompt) + len(prefix) - 1)[-1],
-                                        sampling)
-        for token, q in dist.items():
-            if p * q * n < 5:
-                continue  # pooled with the rest below
-            if len(prefix) + 1 == length:
-                expected[(*prefix, token)] = p * q
-            else:
-                frontier.append(((*prefix, token), p * q))
-    keys = sorted(expected)
-    assert len(keys) >= 3, f"the prompt's first tokens are not spread enough: {expected}"
-    obs = [observed[k] for k in keys] + [n - sum(observed[k] for k in keys)]
-    exp = [expected[k] * n for k in keys] + [n * (1 - sum(expected.values()))]
-    if exp[-1] < 1e-9:  # nothing left to pool
-        obs, exp = obs[:-1], exp[:-1]
-    result = stats.chisquare(obs, exp)
-    assert result.pvalue > 1e-3, (result, list(zip(keys, obs, exp)))
+    result, table = sequence_chi_square(f16_engine, prompt, sampling, observed, n, length)
+    assert result.pvalue > 1e-3, (result, table)
 
 
 def test_same_seed_gives_same_sample_with_speculation(f16_engine, default_model_path):

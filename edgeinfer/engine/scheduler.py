@@ -176,6 +176,11 @@ class Scheduler:
         for i, (r, first, d, p) in enumerate(zip(decoding, firsts, drafts, proposals)):
             kept[i] = self._isolated(r, self._verify, r, first, d, p) or 0
         step_s = time.perf_counter() - t0
+        # Drafters start once every row of this decode has been read (a draft model's first use
+        # times a decode of the target: it would overwrite the logits of the others' rows).
+        for r, _ in chunks:
+            if r.speculation is not None and not r.prefilling and r in self.active:
+                self._isolated(r, r.speculation.start, r.seq, r.seq.seq_id)  # type: ignore[union-attr]
         n_drafted = sum(len(d) for d in drafts)
         self.costs.observe(len(rows), t_decode if chunks else step_s, depth=cells,
                            plain=n_drafted == 0 and not chunks, prefill=bool(chunks))
@@ -214,8 +219,6 @@ class Scheduler:
             r.prefill_progress()
         if not r.prefilling:
             r.prompt_done(self.runtime, last_row)
-            if r.speculation is not None:
-                r.speculation.start(r.seq, r.seq.seq_id)
 
     # -- decoding --------------------------------------------------------------------------------
     def _plan(self, decoding: list[RequestState], base_rows: int) -> list[Proposal | None]:

@@ -1,0 +1,209 @@
+"""The scheduler core under both faces: every speculation method keeps greedy output at any
+concurrency, the rejection rule keeps the target's distribution through the batch path, and a fault
+stays where it happens (one request's error ends that request; a dead scheduler thread ends every
+reader with an error, never a hang).
+
+Comparisons across batch shapes run on an F16 copy of the default model (its batched and one-row
+paths round alike); where an output still parts from the lone one, it must be at a near-tie (the
+top-2 margin is printed) and stay greedy after it (greedy_compare).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import replace
+
+import pytest
+from greedy_compare import assert_same_or_near_tie
+
+import edgeinfer
+from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
+from edgeinfer.engine.request import RequestState
+from edgeinfer.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.slow
+
+CODE = """def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+"""
+PROMPTS = [
+    [{"role": "user", "content": f"Rename `total` to `acc` and print the code:\n\n{CODE}"}],
+    [{"role": "user", "content": "Quote this line exactly: the quick brown fox jumps over the lazy dog."}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": f"Repeat this code exactly:\n\n{CODE}"}],
+    [{"role": "user", "content": "List three colours."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Say hello in Spanish."}],
+    [{"role": "user", "content": "Explain what a CPU does in two sentences."}],
+]
+TOKENS = 24
+
+
+def greedy(spec: SpeculationOptions | None = None) -> GenerateOptions:
+    return GenerateOptions(max_tokens=TOKENS, sampling=SamplingOptions(temperature=0.0),
+                           speculation=spec or SpeculationOptions())
+
+
+@pytest.fixture(scope="module")
+def f16_path(default_model_copy):
+    return default_model_copy("F16")
+
+
+@pytest.fixture(scope="module")
+def single(f16_path):
+    with edgeinfer.load(f16_path, n_ctx=2048, flash_attn=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def plain(single):
+    """Each prompt's tokens and its lone plain greedy output (Engine, one slot)."""
+    out = []
+    for messages in PROMPTS:
+        prompt = single.chat_tokens(messages)
+        single.reset()
+        out.append((prompt, single.generate(prompt, greedy()).result().tokens))
+    return out
+
+
+def concurrently(engine: BatchEngine, prompts: list[list[int]], options: GenerateOptions) -> list[edgeinfer.DoneEvent]:
+    gens = [engine.submit(p, options) for p in prompts]  # queued together: they share steps
+    results: list[edgeinfer.DoneEvent | None] = [None] * len(gens)
+
+    def read(i: int) -> None:
+        results[i] = gens[i].result()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(gens))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+# Fixed draft lengths draft every step where there is something to draft, so each method is
+# exercised whatever this machine's costs say; "lookup" adaptive is the policy's own choice.
+METHODS = {
+    "lookup": "lookup",
+    "lookup-fixed": SpeculationOptions(method="lookup", adaptive=False, draft_max=3),
+    "draft-fixed": "draft",
+    "self-fixed": "self",
+    "auto-draft": "auto",
+}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_keeps_greedy_output_at_1_4_and_8_requests(name, f16_path, default_model_path, single, plain):
+    method = METHODS[name]
+    if method == "draft":
+        spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3,
+                                  p_min=0.0)
+    elif method == "self":
+        spec = SpeculationOptions(method="self", self_quant="Q8_0", adaptive=False, draft_max=3, p_min=0.0)
+    elif method == "auto":
+        spec = SpeculationOptions(method="auto", draft_model=str(default_model_path))
+    else:
+        spec = SpeculationOptions(method=method) if isinstance(method, str) else method
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=8192,
+                          flash_attn=False, speculation=spec) as be:
+        drafted = 0
+        for n in (1, 4, 8):
+            chosen = plain[:n] if n > 1 else plain[:1]
+            done = concurrently(be, [p for p, _ in chosen], greedy(spec))
+            for (prompt, reference), d in zip(chosen, done):
+                assert d.stats.speculation is not None and d.stats.speculation.method.startswith(spec.method)
+                drafted += d.stats.speculation.drafted
+                assert_same_or_near_tie(single, prompt, reference, d.tokens)
+        m = be.metrics()
+        assert m.rows > m.steps  # steps carried several requests (and drafts)
+        if not spec.adaptive:
+            assert drafted > 0 and m.accepted > 0, (name, drafted, m)
+
+
+def test_the_rejection_rule_keeps_the_distribution_through_the_batch_path(f16_path, default_model_path, single):
+    """A draft model sampling its drafts (T = 0.7, fixed length) in a BatchEngine, four requests
+    sharing each step: the first three tokens are distributed exactly as the target's own
+    sampling (chi-square against llama.cpp's chain on the target's logits)."""
+    from sequence_chi_square import sequence_chi_square
+
+    prompt = single.chat_tokens([{"role": "user", "content": "Name a colour."}])
+    sampling = SamplingOptions(temperature=0.7)
+    spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3,
+                              p_min=0.0)
+    n, length = 100, 3
+    observed: collections.Counter = collections.Counter()
+    drafted = accepted = 0
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False, speculation=spec) as be:
+        for group in range(0, n, 4):
+            gens = [be.submit(prompt, GenerateOptions(max_tokens=length + 1, sampling=replace(sampling, seed=seed),
+                                                      speculation=spec)) for seed in range(group, group + 4)]
+            for g in gens:
+                done = g.result()
+                observed[tuple(done.tokens[:length])] += 1
+                drafted += done.stats.speculation.drafted
+                accepted += done.stats.speculation.accepted
+    assert drafted >= 2 * n and 0 < accepted < drafted
+    result, table = sequence_chi_square(single, prompt, sampling, observed, n, length)
+    assert result.pvalue > 1e-3, (result, table)
+
+
+def test_an_error_in_one_request_ends_that_request_only(f16_path, plain, monkeypatch):
+    """A Python error while verifying one request's step ends that request with the error; the
+    others sharing its steps go on and answer as they would alone."""
+    poisoned = plain[1][0]
+    real_verify = RequestState.verify
+
+    def verify(self, rt, first, drafts, qs):
+        if self.prompt == poisoned and len(self.generated) >= 3:
+            raise ValueError("a bug in one request")
+        return real_verify(self, rt, first, drafts, qs)
+
+    monkeypatch.setattr(RequestState, "verify", verify)
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False) as be:
+        gens = [be.submit(p, greedy()) for p, _ in plain[:4]]
+        with pytest.raises(edgeinfer.EdgeInferError, match="a bug in one request"):
+            gens[1].result()
+        for i in (0, 2, 3):
+            assert gens[i].result().tokens == plain[i][1]
+        assert be.metrics().requests_finished.get("error") == 1
+        again = be.submit(plain[2][0], greedy()).result()  # the engine still serves
+        assert again.tokens == plain[2][1]
+
+
+def test_a_dead_scheduler_thread_ends_every_reader_with_an_error(f16_path, plain, monkeypatch):
+    """Whatever kills the scheduler thread, readers (blocking and polling) get an error instead of
+    waiting for ever, and later submissions are refused."""
+    real_step = Scheduler.step
+    steps = []
+
+    def step(self):
+        steps.append(1)
+        if len(steps) > 3:
+            raise SystemError("the scheduler broke")
+        return real_step(self)
+
+    monkeypatch.setattr(Scheduler, "step", step)
+    be = BatchEngine.load(f16_path, batch=BatchOptions(parallel=2, calibrate_when_idle=False), n_ctx=2048,
+                          flash_attn=False)
+    try:
+        blocking = be.submit(plain[0][0], greedy())
+        polling = be.submit(plain[1][0], greedy())
+        queued = be.submit(plain[2][0], greedy())
+        with pytest.raises(edgeinfer.EngineClosedError, match="scheduler stopped"):
+            blocking.result()
+        with pytest.raises(edgeinfer.EngineClosedError):
+            while True:
+                polling.poll()
+        with pytest.raises(edgeinfer.EngineClosedError):
+            queued.result()
+        with pytest.raises(edgeinfer.EngineClosedError, match="scheduler stopped"):
+            be.submit(plain[3][0], greedy())
+    finally:
+        be.close()
