@@ -165,3 +165,32 @@ def test_bench_of_an_unknown_model_fails_before_measuring(monkeypatch, capsys):
     assert main(["bench", "nothing:here"]) == 1
     err = capsys.readouterr().err
     assert "model nothing:here is not in the store" in err and "bandwidth" not in err and not measured
+
+
+def test_readme_says_the_install_time_the_tiny_model_and_what_to_pull():
+    """The first install took 10-20 minutes on 2 cores where the README said "about 5"; both of its
+    commands print that before pip starts compiling, and CI runs the test command verbatim. The
+    default model is said to be tiny, with one model to pull that fits (the library's recommendation)
+    under the store name `pull` gives it."""
+    import re
+    from pathlib import Path
+
+    import edgeinfer
+    from edgeinfer.pull import _model_name
+
+    root = Path(__file__).resolve().parent.parent
+    readme = root / "README.md"
+    text = readme.read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    install = [b.strip() for b in blocks if "python3 -m venv .venv" in b]
+    assert len(install) == 2
+    for command in install:
+        assert command.startswith('echo "edgeinfer: the first install compiles llama.cpp (10-20 minutes on 2 cores)" && ')
+    test_command = next(c for c in install if "pytest" in c)
+    assert test_command in (root / ".ci" / "run").read_text().splitlines()
+    assert "about 5 minutes" not in text and "10–20 minutes on 2 cores" in text
+    assert "The default model is **tiny**" in text
+    pull = f"edgeinfer pull {edgeinfer.RECOMMENDED_MODEL}"
+    assert pull in text
+    repo = edgeinfer.RECOMMENDED_MODEL.split(":")[0]
+    assert f"{pull} && edgeinfer chat {_model_name(repo)}\n" in text
