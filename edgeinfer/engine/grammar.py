@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import math
 import os
 import re
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -132,13 +134,16 @@ def _captured_stderr() -> Iterator[list[str]]:
         os.write(2, text.encode())
 
 
-def _new_sampler(grammar: Grammar, vocab: Any) -> Any:
+def _new_sampler(grammar: Grammar, vocab: Any, capture: bool = False) -> Any:
     """llama.cpp's grammar sampler for `grammar` on `vocab` (None: a parse check only), or an
-    InvalidOptionError with the parser's message."""
+    InvalidOptionError with the parser's message. The parser prints its message on stderr: with
+    `capture` (or on a second attempt after a failure) file descriptor 2 is redirected for the call;
+    check_gbnf captures, a sampler for an already checked grammar does not."""
     ll = backend()
     errors: list[str] = []
     gbnf, root = grammar.gbnf.encode(), grammar.root.encode()
-    with log_capture(lambda level, text: errors.append(text) if level == 4 else None), _captured_stderr() as parse:
+    stderr = _captured_stderr() if capture else contextlib.nullcontext([])
+    with log_capture(lambda level, text: errors.append(text) if level == 4 else None), stderr as parse:
         if grammar.lazy:
             patterns = (ctypes.c_char_p * max(1, len(grammar.trigger_patterns)))(
                 *[p.encode() for p in grammar.trigger_patterns])
@@ -148,6 +153,8 @@ def _new_sampler(grammar: Grammar, vocab: Any) -> Any:
         else:
             smpl = ll.llama_sampler_init_grammar(vocab, gbnf, root)
     if not smpl:
+        if not capture:
+            return _new_sampler(grammar, vocab, capture=True)
         why = parse[0] if parse else next((e.strip() for e in errors if e.strip() and "failed to parse" not in e), "")
         raise InvalidOptionError(f"invalid grammar: {why or 'llama.cpp could not parse it'}")
     return smpl
@@ -166,8 +173,12 @@ def check_gbnf(gbnf: str, root: str = "root") -> None:
         raise InvalidOptionError("grammar is empty")
     if "\x00" in gbnf:
         raise InvalidOptionError("grammar contains a NUL character")
+    key = (hashlib.blake2b(gbnf.encode("utf-8", errors="surrogatepass"), digest_size=16).digest(), root)
+    if key in _checked:
+        _checked.move_to_end(key)
+        return
     try:
-        smpl = _new_sampler(Grammar(gbnf, root), None)
+        smpl = _new_sampler(Grammar(gbnf, root), None, capture=True)
     except InvalidOptionError as e:
         if "no vocab to parse token" not in str(e):
             raise
@@ -177,6 +188,13 @@ def check_gbnf(gbnf: str, root: str = "root") -> None:
     if root not in _productive_rules(gbnf):
         raise InvalidOptionError(f"invalid grammar: rule '{root}' matches no finite text "
                                  "(each of its alternatives recurses without end)")
+    _checked[key] = None
+    while len(_checked) > 256:
+        _checked.popitem(last=False)
+
+
+# Grammars that passed check_gbnf (a request that sends the same schema again is not parsed twice).
+_checked: OrderedDict[tuple[bytes, str], None] = OrderedDict()
 
 
 # A GBNF lexer just good enough for the productivity check (llama.cpp has parsed the text already).
