@@ -546,6 +546,25 @@ def test_rejection_rule_under_a_grammar(runtime, engine, row):
 
 
 @pytest.mark.slow
+def test_rows_of_a_stateful_request_need_their_token_committed(runtime, row, monkeypatch):
+    """With a grammar (or penalties) row i+1's distribution depends on row i's token: asking for it
+    before `accept` is a loud error, not a silently stale distribution."""
+    monkeypatch.setattr(runtime, "logits_row", lambda i: row)
+    s = Sampler(runtime, SamplingOptions(temperature=1.0), Grammar("root ::= [a-z ]+"))
+    p0 = s.distribution(0)
+    assert s.distribution(0).ids.tolist() == p0.ids.tolist()  # the same row again is fine
+    with pytest.raises(RuntimeError, match="accept"):
+        s.distribution(1)
+    s.accept(int(p0.ids[np.argmax(p0.probs)]))
+    s.distribution(1)
+    s.close()
+    plain = Sampler(runtime, SamplingOptions(temperature=1.0))  # stateless: rows in any order
+    plain.distribution(0)
+    plain.distribution(1)
+    plain.close()
+
+
+@pytest.mark.slow
 def test_greedy_grammar_fork_and_lazy(runtime, row):
     g = Grammar('root ::= " " [0-9]+')
     s = Sampler(runtime, SamplingOptions(temperature=0), g)

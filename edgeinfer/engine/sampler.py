@@ -192,6 +192,10 @@ class Sampler:
         # The generated tokens in the penalty window, for the numpy distribution.
         self._window: deque[int] | None = deque(maxlen=options.repeat_last_n) if self._penalized else None
         self._argmax_only = options.greedy and not self._penalized and grammar is None
+        # Whether the distribution depends on committed tokens, and the row last asked about since the
+        # last commit (see `distribution`).
+        self._stateful = self._penalized or grammar is not None
+        self._asked: int | None = None
         self._chain: Any = None
         self._grammar: Any = None
         self._cand: np.ndarray | None = None
@@ -289,6 +293,7 @@ class Sampler:
         self._advance(token, chain=True)
 
     def _advance(self, token: int, chain: bool) -> None:
+        self._asked = None
         ll = backend()
         if self._grammar is not None:
             ll.llama_sampler_accept(self._grammar, token)
@@ -443,7 +448,16 @@ class Sampler:
 
     def distribution(self, row: int | np.ndarray) -> TokenDistribution:
         """The distribution `sample(row)` draws from in the current state: batch row `row` of the last
-        decode (or a logits row given as an array), penalized and constrained, then transformed."""
+        decode (or a logits row given as an array), penalized and constrained, then transformed.
+
+        With a grammar or penalties the state moves with each committed token: after asking about
+        row i, `accept` the token chosen for it before asking about another row (a RuntimeError
+        says so otherwise: verifying drafts with stale state would be silently wrong)."""
+        if isinstance(row, int) and self._stateful:
+            if self._asked is not None and self._asked != row:
+                raise RuntimeError(f"accept() the token chosen for row {self._asked} before asking for row {row}: "
+                                   "this request's grammar or penalties depend on it")
+            self._asked = row
         return sampling_distribution(self._row(row), self.options)
 
     def sample(self, row: int | np.ndarray) -> int:
