@@ -313,6 +313,7 @@ class Sampler:
         twin.runtime = runtime if runtime is not None else self.runtime
         twin._window = deque(self._window, maxlen=self._window.maxlen) if self._window is not None else None
         twin._chain = twin._grammar = twin._cand = twin._arr = twin._one = twin._one_data = None
+        twin._asked = None  # its rows are the draft's
         try:
             if self._grammar is not None:
                 twin._grammar = ll.llama_sampler_clone(self._grammar)
