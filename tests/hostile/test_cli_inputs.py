@@ -47,8 +47,8 @@ BAD_NUMBERS = [
     (["run", "hi", "--top-k", "-1"], "--top-k"),
     (["run", "hi", "--max-tokens", "0"], "--max-tokens"),
     (["run", "hi", "-n", "2147483648"], "--max-tokens"),
-    (["run", "hi", "--seed", "4294967296"], "--seed"),
-    (["run", "hi", "--seed", "-1"], "--seed"),
+    (["run", "hi", "--seed", "9223372036854775808"], "--seed"),  # int64, as OpenAI
+    (["run", "hi", "--seed", "-9223372036854775809"], "--seed"),
     (["run", "hi", "--ctx", "2147483648"], "--ctx"),
     (["run", "hi", "--ctx", "0"], "--ctx"),
     (["run", "hi", "--draft-max", "1099511627776"], "--draft-max"),
