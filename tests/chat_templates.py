@@ -1,7 +1,8 @@
 """Real chat templates, as their models publish them, for rendering tests that need no model file.
 
-QWEN25: Qwen2.5-Instruct's (and Qwen2.5-Coder-Instruct's) `tokenizer.chat_template`; the GGUF of the
-real 1.5B pair carries it (a `real` test checks the copy). GEMMA2: Gemma 2 instruct's (no system
+QWEN25: Qwen2.5-Coder-Instruct's `tokenizer.chat_template`, as the GGUF of the real 1.5B pair
+carries it (a `real` test checks the copy); Qwen2.5-Instruct's differs only in writing the call
+example with single braces where the Coder's writes `{{"name": ...}}`. GEMMA2: Gemma 2 instruct's (no system
 role, no tools; it trims contents). MISTRAL_NEMO: Mistral-Nemo-Instruct-2407's (tools, `[TOOL_CALLS]`,
 9-character call ids). LLAMA32: Llama 3.2 Instruct's (JSON tool calls with "parameters").
 """
@@ -22,7 +23,7 @@ QWEN25 = """{%- if tools %}
         {{- "\\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}\\n</tool_call><|im_end|>\\n" }}
 {%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}

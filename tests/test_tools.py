@@ -51,6 +51,15 @@ CASES = {
         "", [("get_weather", '{"city": "Oslo"}')]),
     "hermes without its end marker": ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}', "",
                                       [("get_time", "{}")]),
+    "hermes call in a json code block": (
+        "hermes", 'I will check.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\nDone.',
+        "I will check.\n\nDone.", [("get_weather", '{"city": "Paris"}')]),
+    "hermes bare call object": ("hermes", ' {"name": "get_time", "arguments": {}}', "", [("get_time", "{}")]),
+    "hermes code blocks are content": (
+        "hermes", 'Use:\n```python\nprint({"name": 1})\n```\n```json\n{"city": "Paris"}\n```\n```\n{"a": 1}\n```',
+        'Use:\n```python\nprint({"name": 1})\n```\n```json\n{"city": "Paris"}\n```\n```\n{"a": 1}\n```', []),
+    "hermes JSON answer naming no tool is content": ("hermes", '{"name": "Alice", "arguments": []}',
+                                                     '{"name": "Alice", "arguments": []}', []),
     "hermes plain text with angle brackets": ("hermes", "a < b and <b>bold</b> <tool", "a < b and <b>bold</b> <tool", []),
     "hermes a marker with no call": ("hermes", "<tool_call> not json </tool_call> ok",
                                      "<tool_call> not json </tool_call> ok", []),
@@ -307,7 +316,8 @@ def test_a_template_with_tools_in_an_unknown_format_is_refused_with_a_way_out():
 
 def test_grammars_per_choice():
     auto = tool_request(QWEN25, TOOLS)
-    assert auto.grammar.lazy and auto.grammar.trigger_patterns == ("<tool_call>",)
+    assert auto.grammar.lazy and auto.grammar.trigger_patterns[0] == "<tool_call>"
+    assert len(auto.grammar.trigger_patterns) == 3  # and a ```json block, and a reply that is a call object
     assert auto.render_tools == tuple(normalize_tools(TOOLS))
     required = tool_request(QWEN25, TOOLS, "required")
     assert not required.grammar.lazy
@@ -344,7 +354,7 @@ def test_control_token_markers_found_through_the_tokenizer():
     vocab = FakeVocab(["[TOOL_CALLS]", "[ARGS]"])
     setup = tool_request("{{ tools }}[TOOL_CALLS][ARGS]", TOOLS, tokenize=vocab.tokenize)
     assert setup.markers == {1: "[TOOL_CALLS]", 2: "[ARGS]"}
-    assert setup.grammar.trigger_tokens == (1,)
+    assert setup.grammar.trigger_tokens == (1,) and setup.grammar.trigger_patterns == ()
 
 
 # -- rendering -------------------------------------------------------------------------------------
@@ -364,8 +374,8 @@ def test_qwen_template_renders_tools_calls_and_results():
         "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
         "signatures within <tools></tools> XML tags:\n<tools>\n" + json.dumps(WEATHER, ensure_ascii=False) +
         "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-        "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-        "<args-json-object>}\n</tool_call><|im_end|>\n"
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+        "<args-json-object>}}\n</tool_call><|im_end|>\n"
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
         "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
         "</tool_call><|im_end|>\n"

@@ -83,10 +83,12 @@ class ToolFormat:
     end: str = ""  # the text that ends one, if the format has one
     args_key: str = "arguments"  # how the model names the arguments (both names are read)
     parallel: bool = True  # the format can carry several calls in one reply
+    bare: bool = False  # a reply that is a JSON call object, without a marker, is a call too
+    fenced: bool = False  # and so is a call object in a ```json code block
 
 
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
-LLAMA3 = ToolFormat("llama3", "<|python_tag|>", args_key="parameters", parallel=False)
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", bare=True, fenced=True)
+LLAMA3 = ToolFormat("llama3", "<|python_tag|>", args_key="parameters", parallel=False, bare=True)
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]")
 MISTRAL_ARGS = ToolFormat("mistral-args", "[TOOL_CALLS]", "[ARGS]")
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS)}
@@ -231,14 +233,17 @@ def tool_request(
     fmt = fmt or HERMES
     parallel = parallel_tool_calls and fmt.parallel
     markers: dict[int, str] = {}
+    start_token = None  # the start marker as one token of the vocabulary, if it is one
     if tokenize is not None:
         for text in {fmt.start, fmt.end} - {""}:
             ids = tokenize(text, True)
             if len(ids) == 1 and tokenize(text, False) != ids:
                 markers[ids[0]] = text
+            if len(ids) == 1 and text == fmt.start:
+                start_token = ids[0]
     grammar = None
     if checked and choice != "none":
-        grammar = _grammar(fmt, checked, choice, function, parallel, markers)
+        grammar = _grammar(fmt, checked, choice, function, parallel, start_token)
     return ToolSetup(format=fmt, tools=checked, choice=choice, function=function, parallel=parallel,
                      grammar=grammar, markers=markers)
 
@@ -269,9 +274,20 @@ def _gbnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+# Whitespace inside a call object (none, a space, or a line break and an indent) and around it,
+# as GBNF and as the regex that starts a lazy grammar: the text a trigger matches is handed to the
+# grammar, and llama.cpp aborts the process on text its grammar refuses, so the two must agree.
+_SP_GBNF = '| " " | "\\n" [ \\t]{0,20}'
+_SP_RE = r"(?: |\n[ \t]{0,20})?"
+_CALL_START_RE = r"\{" + _SP_RE + '"name"' + _SP_RE + ":"
+
+
 def _grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: ToolChoice, function: str | None,
-             parallel: bool, markers: Mapping[int, str]) -> Grammar:
-    rules: list[str] = [f'{_P}sp ::= " "?', f'{_P}ws ::= [ \\n]{{0,2}}']
+             parallel: bool, start_token: int | None) -> Grammar:
+    """The grammar of a tool call in `fmt`: from the first token for required and a named function;
+    lazy for auto, from the call marker (as a token when it is one, else its text), a ```json block
+    or a reply that opens with a call object, each form's text exactly as the grammar starts."""
+    rules: list[str] = [f"{_P}sp ::= {_SP_GBNF}", f"{_P}gap ::= [ \\t\\r\\n]{{0,16}}"]
     alternatives = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
@@ -298,26 +314,33 @@ def _grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: ToolCh
             body += f' ( {_P}sp "," {_P}sp {_gbnf_literal(json.dumps("id"))} {kv} "\\"" [a-zA-Z0-9]{{9}} "\\"" )?'
         alternatives.append(body + f' {_P}sp "}}"')
     rules.append(f"{_P}call ::= " + " | ".join(f"( {a} )" for a in alternatives))
-    many = parallel
-    if fmt is HERMES:  # (the model writes a newline after the start marker and before the end one)
-        one = f'"<tool_call>" "\\n"? {_P}call "\\n"? "</tool_call>"'
-        root = f"{one} ( {_P}ws {one} )*" if many else one
+    lazy = choice == "auto"
+    patterns: list[str] = []
+    if fmt is HERMES:
+        one = f'"<tool_call>" {_P}gap {_P}call {_P}gap "</tool_call>"'
+        root = f"{one} ( {_P}gap {one} )*" if parallel else one
+        if lazy:  # the forms Qwen2.5-Coder also writes: a ```json block, or the call object alone
+            root += f' | "```" ( "json" | "JSON" )? {_P}sp {_P}call {_P}sp "```" | {_P}call'
+            patterns += ["(```(?:json|JSON)?" + _SP_RE + _CALL_START_RE + ")",
+                         r"^[ \t\r\n]*(" + _CALL_START_RE + r")[\s\S]*$"]
     elif fmt is LLAMA3:
         root = f'"<|python_tag|>"? {_P}call'
+        if lazy:
+            patterns.append(r"^[ \t\r\n]*(" + _CALL_START_RE + r")[\s\S]*$")
     elif fmt is MISTRAL:
-        root = f'"[TOOL_CALLS]" {_P}sp "[" {_P}call ( "," {_P}sp {_P}call )* "]"' if many else \
-            f'"[TOOL_CALLS]" {_P}sp "[" {_P}call "]"'
+        root = (f'"[TOOL_CALLS]" {_P}sp "[" {_P}call ( "," {_P}sp {_P}call )* "]"' if parallel
+                else f'"[TOOL_CALLS]" {_P}sp "[" {_P}call "]"')
     else:  # mistral-args: every call has its own [TOOL_CALLS]
-        root = f"{_P}call+" if many else f"{_P}call"
+        root = f"{_P}call+" if parallel else f"{_P}call"
     rules.append(f"{_P}root ::= {root}")
     gbnf = "\n".join(rules) + "\n"
-    if choice != "auto":
+    if not lazy:
         return Grammar(gbnf, root=f"{_P}root").validate()
-    # auto: lazy, from where the call marker is written (a control token, or its text)
-    patterns = [re.escape(fmt.start)]
-    if fmt is LLAMA3:  # a JSON call as the whole reply
-        patterns.append(r'^\s*(\{\s*"name"\s*:)[\s\S]*$')
-    tokens = tuple(t for t, text in markers.items() if text == fmt.start)
+    # the marker as a token: the grammar is handed exactly its text. As text (a vocabulary without
+    # such a token), the token that completes it may carry more: the gap after it allows whitespace.
+    tokens = (start_token,) if start_token is not None else ()
+    if start_token is None:
+        patterns.insert(0, re.escape(fmt.start))
     return Grammar(gbnf, root=f"{_P}root", trigger_patterns=tuple(patterns), trigger_tokens=tokens).validate()
 
 
@@ -472,12 +495,33 @@ def _marker(text: str) -> re.Pattern[str]:
     return re.compile(f"({_HIDE})?{re.escape(text)}{_SHOW}?")
 
 
+def _fenced_call(buf: str, at: int) -> int:
+    """For a "```" at `at`: where a call object would begin if this code block holds one (```json
+    and whitespace, then "{"), 0 if it cannot, -1 if the text so far does not tell."""
+    i = at + 3
+    for tag in ("json", "JSON", ""):
+        if buf.startswith(tag, i) or (tag and tag.startswith(buf[i:]) and len(buf) - i < len(tag)):
+            if not buf.startswith(tag, i):
+                return -1  # "```js..." so far
+            i += len(tag)
+            break
+    j = i
+    while j < len(buf) and buf[j] in " \t\r\n":
+        j += 1
+    if j == len(buf):
+        return -1
+    return j if buf[j] == "{" else 0
+
+
 class _Call:
     """A call being read: its scanner and what has been streamed of it."""
 
-    def __init__(self, index: int, marker_text: str, prelude: str = "", bare: bool = False):
+    def __init__(self, index: int, marker_text: str, prelude: str = "", strict: bool = False, closer: str = ""):
         self.index = index
-        self.bare = bare  # a Llama 3 reply that opens with "{": a call only if it reads as one
+        # no call marker (a reply opening with "{", a ```json block): a call only if it reads as one,
+        # its first key "name" (or "type"), the name one of the tools', and an arguments key
+        self.strict = strict
+        self.closer = closer  # the text that ends the call after its object (`</tool_call>`, ```)
         self.marker_text = marker_text  # given back as content if this turns out not to be a call
         self.prelude = prelude  # "bracket" (Mistral's list), "name" (Mistral's name[ARGS]) or ""
         self.scan = _Scan()
@@ -517,6 +561,7 @@ class ToolCallParser:
         self._started = 0  # calls whose first event went out
         self._deferred = ""  # content after a call within one token: given with the next token
         self._last: TokenEvent | None = None
+        self._closer = ""  # what closes the call just read
 
     # -- events ------------------------------------------------------------------------------------
     def events(self, source: Iterable[Event]) -> Iterator[Event]:
@@ -595,37 +640,68 @@ class ToolCallParser:
         return self.parallel or not self._started
 
     def _content_step(self, out: list[str | ToolCallEvent], final: bool) -> None:
-        buf = self._buf
-        hit = self._start_re.search(buf) if self._may_call() else None
-        if self.format is LLAMA3 and self._at_start and self._may_call():
-            j = len(buf) - len(buf.lstrip())
-            if j < len(buf) and buf[j] == "{" and (hit is None or j < hit.start()):
-                self._buf = buf[j:]  # a reply that opens with "{" may be a bare JSON call
-                self._begin("", bare=True)
-                return
+        buf, fmt = self._buf, self.format
+        may = self._may_call()
+        found: list[tuple[int, str]] = []  # where a call may start, and how
+        hit = self._start_re.search(buf) if may else None
         if hit is not None:
-            before = buf[: hit.start()]
+            found.append((hit.start(), "marker"))
+        if may and fmt.bare and self._at_start:
+            j = len(buf) - len(buf.lstrip())
+            if buf[j : j + 1] == "{":
+                found.append((j, "bare"))
+        fence = buf.find("```") if may and fmt.fenced else -1
+        if fence >= 0:
+            found.append((fence, "fence"))
+        if found:
+            at, kind = min(found)
+            before = buf[:at]
+            if kind == "fence":
+                end = _fenced_call(buf, at)
+                if end == 0:  # a code block that is not a call: its fence is content
+                    self._release(out, buf[: at + 3])
+                    self._buf = buf[at + 3 :]
+                    return
+                if end < 0 and not final:  # not known yet: keep the fence
+                    if before.strip() or not (self._at_start or self.calls):
+                        self._release(out, before)
+                        self._buf = buf[at:]
+                    return
+                if end < 0:
+                    self._release(out, buf)
+                    self._buf = ""
+                    return
             if before.strip() or not (self._at_start or self.calls):
                 self._release(out, before)  # (whitespace held before a first call or between calls is dropped)
-            self._buf = buf[hit.end() :]
-            self._begin("" if hit.group(1) else hit.group(0),
-                        "bracket" if self.format is MISTRAL else "name" if self.format is MISTRAL_ARGS else "")
+            if kind == "bare":
+                self._buf = buf[at:]
+                self._begin("", strict=True)
+            elif kind == "fence":
+                self._buf = buf[end:]
+                self._begin(buf[at:end], strict=True, closer="```")
+            else:
+                assert hit is not None
+                self._buf = buf[hit.end() :]
+                self._begin("" if hit.group(1) else hit.group(0),
+                            "bracket" if fmt is MISTRAL else "name" if fmt is MISTRAL_ARGS else "", closer=fmt.end)
             return
         if final:
             if buf.strip() or not self.calls:
                 self._release(out, buf)
             self._buf = ""
             return
-        start = self.format.start
-        keep = max((k for k in range(1, len(start)) if buf.endswith(start[:k])), default=0) if self._may_call() else 0
+        start = fmt.start
+        keep = max((k for k in range(1, len(start)) if buf.endswith(start[:k])), default=0) if may else 0
+        if may and fmt.fenced:
+            keep = max(keep, len(buf) - len(buf.rstrip("`")))
         rest = buf[: len(buf) - keep]
         if not rest.strip() and (self._at_start or self.calls):
             return  # whitespace before or between calls: shown only if content follows
         self._release(out, rest)
         self._buf = buf[len(rest) :]
 
-    def _begin(self, marker_text: str, prelude: str = "", bare: bool = False) -> None:
-        self._call = _Call(self._started, marker_text, prelude, bare)
+    def _begin(self, marker_text: str, prelude: str = "", strict: bool = False, closer: str = "") -> None:
+        self._call = _Call(self._started, marker_text, prelude, strict, closer)
         self._state = "call"
 
     def _call_step(self, out: list[str | ToolCallEvent], final: bool) -> None:
@@ -644,7 +720,7 @@ class ToolCallParser:
             else:
                 self._args_value_step(out, call, final)
             return
-        bare = call.bare
+        bare = call.strict
         members = scan.members
         if call.name is None:
             first = next(iter(members), None) or scan.key
@@ -768,6 +844,7 @@ class ToolCallParser:
         self.calls.append(done)
         out.append(ToolCallEvent(index=call.index, id=call.id, name=call.name, arguments=rest, call=done))
         self._call = None
+        self._closer = call.closer
 
     def _cut_off(self, out: list[str | ToolCallEvent], call: _Call) -> None:
         """The reply ended inside a call: streamed, so not content, but not a complete call either."""
@@ -786,16 +863,16 @@ class ToolCallParser:
         self._state = "content"
         self._at_start = False
         self._release(out, call.marker_text)
-        if call.bare:  # a reply opening with "{" that is not a call: its "{" is content, the rest is read again
+        if call.strict and not call.marker_text:  # a reply opening with "{" that is not a call: its "{" is content
             self._release(out, self._buf[:1])
             self._buf = self._buf[1:]
 
     def _raw_step(self, out: list[str | ToolCallEvent], final: bool) -> None:
-        """A call whose name went out but whose JSON broke: its arguments are the text up to the end
-        marker (Hermes) or the end of the reply, without the call object's closing brace."""
+        """A call whose name went out but whose JSON broke: its arguments are the text up to the text
+        that closes it (`</tool_call>`, ```) or the end of the reply, without the call object's "}"."""
         call = self._call
         assert call is not None and call.name is not None
-        hit = self._end_re.search(self._buf) if self.format is HERMES and self._end_re is not None else None
+        hit = _marker(call.closer).search(self._buf) if call.closer and self.format is not MISTRAL_ARGS else None
         if hit is None and not final:
             return
         body = _HIDDEN.sub("", self._buf if hit is None else self._buf[: hit.start()])
@@ -815,16 +892,16 @@ class ToolCallParser:
         self._state = "content"
 
     def _after_step(self, out: list[str | ToolCallEvent], final: bool) -> None:
-        """After a call object: Hermes' `</tool_call>`, or Mistral's `,` (another call) or `]`."""
+        """After a call object: what closes it (`</tool_call>`, ```), or Mistral's `,` (another call) or `]`."""
         body = self._buf.lstrip()
-        if self.format is HERMES:
-            assert self._end_re is not None
-            hit = self._end_re.match(body)
+        if self.format is HERMES or self.format is LLAMA3:
+            closer = self._closer
+            hit = _marker(closer).match(body) if closer else None
             if hit is not None:
                 self._buf = body[hit.end() :]
-            elif self.format.end.startswith(body) and not final:
-                return  # may still become the end marker
-            self._state = "content"  # (without its end marker the call stands; the rest is content)
+            elif closer and closer.startswith(body) and not final:
+                return  # may still become the closing text
+            self._state = "content"  # (without its closing text the call stands; the rest is content)
         elif self.format is MISTRAL:
             if not body and not final:
                 return
