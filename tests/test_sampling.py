@@ -255,8 +255,9 @@ def _grammar_accepts(runtime, grammar: Grammar, text: str) -> bool:
 
 @pytest.mark.slow
 def test_json_schema_grammar_accepts_exactly_the_valid_documents(runtime):
-    """The compiled grammar, run by llama.cpp on documents, takes the ones jsonschema validates and
-    refuses the others: the bounds of numbers, lengths and counts are exact."""
+    """The compiled grammar, run by llama.cpp on documents (their keys in declared order: the order
+    the grammar generates), takes the ones jsonschema validates and refuses the others: the bounds
+    of numbers, lengths and counts are exact; anyOf, const, $ref, type lists and maps too."""
     import jsonschema  # the test extra installs it
     schema = {"type": "object", "additionalProperties": False, "required": ["n", "x"], "properties": {
         "n": {"type": "integer", "minimum": -12, "exclusiveMaximum": 105},
@@ -264,14 +265,26 @@ def test_json_schema_grammar_accepts_exactly_the_valid_documents(runtime):
         "s": {"type": "string", "minLength": 2, "maxLength": 4},
         "e": {"enum": ["a", 1, None]},
         "l": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
-        "d": {"type": "string", "format": "date"}}}
+        "d": {"type": "string", "format": "date"},
+        "u": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+        "c": {"const": "k"},
+        "r": {"$ref": "#/$defs/pt"},
+        "t": {"type": ["string", "null"], "maxLength": 2},
+        "m": {"type": "object", "additionalProperties": {"type": "integer"}}},
+        "$defs": {"pt": {"type": "object", "required": ["x"], "additionalProperties": False,
+                         "properties": {"x": {"type": "integer"}}}}}
     g = json_schema_to_grammar(schema)
     docs = ['{"n": -12, "x": 7}', '{"n": 104, "x": -2.999}', '{"n":0,"x":0,"s":"ab","e":null,"l":[true,false]}',
             '{"n": 105, "x": 1}', '{"n": -13, "x": 1}', '{"n": 1, "x": 7.0001}', '{"n": 1, "x": -3}',
             '{"n": 1, "x": -3.0}', '{"n": 1, "x": 7.000}', '{"n": 1, "x": 1, "s": "a"}', '{"n": 1, "x": 1, "s": "abcde"}',
             '{"n": 1, "x": 1, "l": []}', '{"n": 1, "x": 1, "l": [true, true, true]}', '{"n": 1, "x": 1, "e": "b"}',
             '{"x": 1}', '{"n": 1, "x": 1, "z": 1}', '{"n": 01, "x": 1}', '{"n": 50, "x": 6.5}', '{"n": 99, "x": -0.5}',
-            '{\n  "n": 7,\n  "x": 0.25,\n  "e": "a"\n}', '{"n": 1, "x": 1, "d": "2024-02-29"}', '{"n": 1, "x": 1, "d": "24-02-03"}']
+            '{\n  "n": 7,\n  "x": 0.25,\n  "e": "a"\n}', '{"n": 1, "x": 1, "d": "2024-02-29"}', '{"n": 1, "x": 1, "d": "24-02-03"}',
+            '{"n": 1, "x": 1, "u": 9}', '{"n": 1, "x": 1, "u": null}', '{"n": 1, "x": 1, "u": 10}', '{"n": 1, "x": 1, "u": "a"}',
+            '{"n": 1, "x": 1, "c": "k"}', '{"n": 1, "x": 1, "c": "j"}', '{"n": 1, "x": 1, "r": {"x": -4}}',
+            '{"n": 1, "x": 1, "r": {}}', '{"n": 1, "x": 1, "r": {"x": 1, "y": 2}}', '{"n": 1, "x": 1, "t": null}',
+            '{"n": 1, "x": 1, "t": "ab"}', '{"n": 1, "x": 1, "t": "abc"}', '{"n": 1, "x": 1, "m": {"a": 1, "b": 2}}',
+            '{"n": 1, "x": 1, "m": {"a": "1"}}', '{"n": 1, "x": 1, "m": {}}']
     for doc in docs:
         try:
             jsonschema.validate(json.loads(doc), schema, format_checker=jsonschema.FormatChecker())
