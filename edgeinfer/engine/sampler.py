@@ -208,6 +208,7 @@ class Sampler:
         ll = backend()
         try:
             if grammar is not None:
+                grammar.validate()  # llama.cpp aborts the process on a bad trigger regex (checked grammars are remembered)
                 self._grammar = _new_sampler(grammar, runtime.vocab)
                 for t in grammar.trigger_tokens:
                     runtime.check_token(t)
