@@ -106,8 +106,8 @@ def test_after_a_cancelled_reply_the_next_answer_is_the_history_s_own(default_mo
     # The chat's engine reuses the cached prefix, so the new turn enters in other batch shapes than
     # in a fresh engine: the two may part only at a near-tie.
     with edgeinfer.load(model, n_ctx=2048) as engine:
-        prompt = engine.chat_tokens(settings.messages(turns))
-        fresh = engine.chat(settings.messages(turns), settings.to_options()).result()
+        prompt = engine.chat_tokens(settings.messages(turns, model))  # as the app sends it to this model
+        fresh = engine.chat(settings.messages(turns, model), settings.to_options()).result()
         for _text, tokens in answers:
             assert_same_or_near_tie(engine, prompt, fresh.tokens, tokens)
     assert history[3].content == answers[1][0]
