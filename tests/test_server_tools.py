@@ -241,9 +241,13 @@ def test_required_forces_a_call_streamed_and_not(server):
                                         parallel_tool_calls=False, max_tokens=48, temperature=0) as stream:
         final = stream.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
-    named = chat(client, tools=[WEATHER, {"type": "function", "function": {"name": "get_time"}}],
-                 tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert [c.function.name for c in named.choices[0].message.tool_calls][:1] == ["get_time"]
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"],
+        "additionalProperties": False}}}
+    named = chat(client, tools=[WEATHER, clock], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                 parallel_tool_calls=False)
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"timezone"}
 
 
 # -- the library face (the API the lead wires: Engine.chat(..., tools=, tool_choice=)) ------------

@@ -21,7 +21,7 @@ Call formats recognized (detected from the chat template's text):
 
 | format | models | a call is written as | parsed |
 | --- | --- | --- | --- |
-| `hermes` | Qwen2.5 / Qwen3 (not Qwen3-Coder's XML), Hermes 2 Pro / 3, and every template without tools support (edgeinfer's fallback) | `<tool_call>{"name": f, "arguments": {…}}</tool_call>`, any number, anywhere in the reply | yes, streamed |
+| `hermes` | Qwen2.5 / Qwen3 (not Qwen3-Coder's XML), Hermes 2 Pro / 3, and every template without tools support (edgeinfer's fallback) | `<tool_call>{"name": f, "arguments": {…}}</tool_call>`, any number, anywhere in the reply; also the call object in a ```json block, or as the whole reply (Qwen2.5-Coder writes them so) | yes, streamed |
 | `llama3` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | `{"name": f, "parameters": {…}}` as the whole reply, or after `<|python_tag|>` | yes, streamed; one call a reply (the template renders one) |
 | `mistral` | Mistral 7B v0.3, Nemo, Small ≤ 3.1 | `[TOOL_CALLS][{"name": f, "arguments": {…}, "id": "abc123xyz"}, …]` | yes, streamed |
 | `mistral-args` | templates with `[ARGS]` (Mistral Small 3.2, Magistral, Devstral, Ministral 3) | `[TOOL_CALLS]f[ARGS]{…}` per call | yes, streamed |
@@ -29,7 +29,10 @@ Call formats recognized (detected from the chat template's text):
 Not recognized (a request with tools is refused with one line naming the way out, `chatml`):
 Llama 3.1's built-in tools (`<|python_tag|>brave_search.call(...)`), functionary, Command-R,
 DeepSeek, gpt-oss (harmony), Granite, Phi-4, Gemma 4, Qwen3-Coder's XML (`<function=…>`).
-Both `"arguments"` and `"parameters"` are accepted as the arguments key in every format.
+Both `"arguments"` and `"parameters"` are accepted as the arguments key in every format. A call
+without a marker (a ```json block, a reply that is a JSON object) counts only if its first key is
+"name" (or "type"), the name is one of the tools' and an arguments key follows; otherwise it is
+content, as is every other code block.
 
 Malformed calls (no grammar can make these, but `auto` without a grammar-compatible schema or a
 model that stops mid-call can): a call marker followed by text that is not a call object is
