@@ -41,17 +41,17 @@ def llama_bench(model: str, sizes: list[int], depth: int, threads: int) -> dict[
 
 def engine_curve(engine, sizes: list[int], depth: int) -> dict[int, float]:
     """Seconds per B-row decode (logits for every row) after `depth` tokens, one repetition."""
-    rt = engine._runtime
+    seq = engine._scheduler.slots[0].seq  # the engine's own sequence, driven by hand
     filler = engine.tokenize("def f(x):\n    return x * 2\n" * 200, add_special=False)
-    if len(rt.cached) != depth:
+    if len(seq) != depth:
         engine.reset()
-        rt.decode_all(filler[:depth] if depth else [])
+        seq.decode_all(filler[:depth] if depth else [])
     out = {}
     for b in sizes:
         t0 = time.perf_counter()
-        rt.decode(filler[depth : depth + b], logits_from=0)
+        seq.decode(filler[depth : depth + b], logits_from=0)
         out[b] = time.perf_counter() - t0
-        rt.truncate(depth)
+        seq.truncate(depth)
     return out
 
 

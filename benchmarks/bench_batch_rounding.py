@@ -32,6 +32,7 @@ def main() -> None:
         model = str(qwen_pair()[0])
     engine = edgeinfer.load(model, n_ctx=2048, n_threads=2, flash_attn=False)
     rt = engine._runtime  # a benchmark of the runtime itself: one-token decodes by hand
+    seq = engine._scheduler.slots[0].seq
     greedy = edgeinfer.GenerateOptions(max_tokens=args.tokens, sampling=edgeinfer.SamplingOptions(temperature=0.0),
                                        speculation=edgeinfer.SpeculationOptions(method="off"))
     for name in ("story", "coding question"):
@@ -40,11 +41,11 @@ def main() -> None:
         engine.reset()
         out = engine.generate(prompt, greedy).result().tokens
         engine.reset()
-        rt.decode_all(prompt)
+        seq.decode_all(prompt)
         single = []
         for t in out:
             single.append(rt.logits_row(-1).copy())
-            rt.decode([t])
+            seq.decode([t])
         batch = engine.logits(prompt + out, start=len(prompt) - 1)[: len(out)]
         diffs = [float(np.abs(s - b).max()) for s, b in zip(single, batch)]
         margins = [float(np.diff(np.sort(s)[-2:])[0]) for s in single]

@@ -29,7 +29,7 @@ def run_ours(engine, n: int) -> tuple[float, float, int]:
     import edgeinfer
 
     opts = edgeinfer.GenerateOptions(max_tokens=n, sampling=edgeinfer.SamplingOptions(temperature=0.0))
-    engine._runtime.clear()  # no prefix cache between rounds: every round pays the same prefill
+    engine.reset()  # no prefix cache between rounds: every round pays the same prefill
     done = engine.generate(PROMPT, opts).result()
     return done.stats.decode_tok_s, done.stats.ttft_s, done.stats.generated_tokens
 
@@ -51,17 +51,18 @@ def run_decode_only(engine, n: int) -> tuple[float, float, int]:
     """llama_decode of one token at a time with argmax: what C++ would do, minus nothing."""
     import numpy as np
 
+    engine.reset()
     rt = engine._runtime
-    rt.clear()
+    seq = engine._scheduler.slots[0].seq  # the engine's own sequence, driven by hand
     toks = engine.tokenize(PROMPT)
     t0 = time.perf_counter()
-    rt.decode_all(toks)
+    seq.decode_all(toks)
     tok = int(np.argmax(rt.logits_row(-1)))
     ttft = time.perf_counter() - t0
     spent = 0.0
     for _ in range(n - 1):
         t = time.perf_counter()
-        rt.decode([tok])
+        seq.decode([tok])
         spent += time.perf_counter() - t
         tok = int(np.argmax(rt.logits_row(-1)))
     return (n - 1) / spent, ttft, n

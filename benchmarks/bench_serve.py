@@ -1,16 +1,28 @@
-"""`edgeinfer serve` under concurrent clients: throughput, per-request decode speed and TTFT.
+"""`edgeinfer serve` under concurrent clients, side by side with `llama-server -np N`.
 
-For each concurrency c in --concurrency (default 1,2,4,8), c clients each send one streaming
-greedy chat request at the same moment; a round measures total generated tokens / wall time
-(throughput), and per request the decode rate ((tokens - 1) / (last token - first token)) and the
-time to the first token. Rows: our server with speculation off, prompt lookup and auto (a per-request
-field on one server), and `llama-server -np N` (llama.cpp's own server, built from the sources
-llama-cpp-python 0.3.36 vendors, by benchmarks/build_llama_tools.sh) when it is there. Rows alternate
-within each round so machine load hits them alike; the table shows medians over rounds and the
-load average seen. The machine is shared: read ratios, not absolute numbers.
+Modes:
+
+- rounds (default): for each concurrency c in --concurrency, c clients each send one streaming greedy
+  chat request at the same moment; a round measures total generated tokens / wall time (throughput),
+  and per request the decode rate ((tokens - 1) / (last token - first token)) and the time to the
+  first token. Rows: our server with each --speculation value (a per-request field on one server,
+  started with --speculate lookup, or draft=/self= when a row needs it), and `llama-server -np N`
+  (llama.cpp's own server, built from the sources llama-cpp-python 0.3.36 vendors, by
+  benchmarks/build_llama_tools.sh) when it is there. Rows alternate within each round so machine
+  load hits them alike; the table shows medians over rounds, ratios against llama-server and the
+  load average seen.
+- --first-request: a fresh server (fresh store: nothing measured before) per row and round, and
+  the time to first token of its very first request: what a `--speculate lookup` server's first
+  user waits beside a plain server's.
+
+Workloads: `snippet` (a short copy-with-edit), `chat300` (~300-token prompts, one passage each),
+`story` (free chat), and three code edits of benchmarks/workloads/code_edit.py of different shapes:
+`edit-few` (a rename that changes a few lines), `edit-rewrite` (type hints added to most lines),
+`edit-add` (a new function added). The machine is shared: read ratios, not absolute numbers.
 
     .venv/bin/python benchmarks/bench_serve.py [--model PATH|REF] [--rounds 3] [--tokens 128]
-        [--concurrency 1,2,4,8] [--parallel 8] [--ctx 8192] [--threads 2] [--workload code|snippet|chat]
+        [--concurrency 1,2,4,8] [--parallel 8] [--ctx 8192] [--threads 2] [--workload snippet]
+        [--speculation off,lookup,auto] [--draft PATH] [--self-quant Q4_0] [--first-request]
 """
 
 from __future__ import annotations
@@ -32,6 +44,13 @@ import httpx2 as httpx  # the HTTP client the openai package ships with
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 TOOLS = Path(os.environ.get("EDGEINFER_LLAMA_TOOLS", Path.home() / ".cache" / "edgeinfer-llama-tools"))
+EDITS = {
+    "edit-few": "Rename the function compute_total to total_stock_value everywhere in this file and return the "
+                "whole file.",
+    "edit-rewrite": "Add a one-line docstring to every function that has none, and return the whole file.",
+    "edit-add": "Add a function apply_tax(items, rate) after apply_discount that returns the items with their "
+                "price multiplied by (1 + rate), and return the whole file.",
+}
 
 
 def prompts(kind: str, n: int, tag: str = "") -> list[str]:
@@ -41,16 +60,25 @@ def prompts(kind: str, n: int, tag: str = "") -> list[str]:
 
 
 def _prompts(kind: str, n: int) -> list[str]:
+    code = (WORKLOADS / "code_edit.py").read_text()
+    if kind in EDITS:
+        return [f"{EDITS[kind]}\n\n```python\n{code}```"] * n
     if kind == "code":
-        code = (WORKLOADS / "code_edit.py").read_text()
         names = ["compute_total", "needs_reorder", "reorder_list", "apply_discount"]
         return [f"Here is a Python file:\n\n```python\n{code}```\n\nReturn the whole file unchanged except that the "
                 f"function {names[i % len(names)]} is renamed to renamed_{i}." for i in range(n)]
     if kind == "snippet":  # a short copy-with-edit: little prefill, much for lookup to copy
-        code = (WORKLOADS / "code_edit.py").read_text()
         start = code.index("def compute_total")
         snippet = code[start : code.index("def apply_discount")]
         return [f"Rewrite this code with the variable `item` renamed to `entry_{i}`:\n\n```python\n{snippet}```"
+                for i in range(n)]
+    if kind == "chat300":  # ~300-token prompts: a passage and a question about it
+        passage = (WORKLOADS / "rag_passage.txt").read_text().strip()
+        questions = ["Summarize the passage in three sentences.", "What is the main claim of the passage?",
+                     "List the facts the passage gives, one per line.", "Explain the passage to a child.",
+                     "What questions does the passage leave open?", "Rewrite the passage as a short poem.",
+                     "Give the passage a title and explain it.", "Which sentence of the passage matters most?"]
+        return [f"Read this passage twice.\n\n{passage}\n\n{passage}\n\n{questions[i % len(questions)]}"
                 for i in range(n)]
     topics = ["a lighthouse keeper", "a robot who paints", "a lost cat", "the first day of school", "a dragon",
               "a storm at sea", "a city garden", "a train journey"]
@@ -74,7 +102,7 @@ class Process:
         threading.Thread(target=read, daemon=True).start()
         self.first_line = ""
         while True:
-            line = lines.get(timeout=300)
+            line = lines.get(timeout=600)
             if line is None:
                 raise RuntimeError(f"{cmd[0]} exited before it was ready")
             if ready in line:
@@ -91,15 +119,15 @@ class Process:
                 self.proc.wait()
 
 
-def one_request(url: str, prompt: str, tokens: int, extra: dict, out: dict) -> None:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, **extra}
+def one_request(url: str, model: str, prompt: str, tokens: int, extra: dict, out: dict) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
     first = last = None
     n_chunks = 0
     usage = None
     spec = {}
-    with httpx.Client(timeout=600) as http, http.stream("POST", url + "/chat/completions", json=body) as r:
+    with httpx.Client(timeout=900) as http, http.stream("POST", url + "/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -116,17 +144,17 @@ def one_request(url: str, prompt: str, tokens: int, extra: dict, out: dict) -> N
                     last = now
                     n_chunks += 1
     n = usage["completion_tokens"] if usage else n_chunks
-    out.update(drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0), tokens=n, ttft=(first or t0) - t0, decode=(n - 1) / (last - first) if first and last and last > first else 0.0,
-               end=time.perf_counter())
+    out.update(drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0), tokens=n, ttft=(first or t0) - t0,
+               decode=(n - 1) / (last - first) if first and last and last > first else 0.0, end=time.perf_counter())
 
 
-def round_of(url: str, texts: list[str], tokens: int, extra: dict) -> dict:
+def round_of(url: str, model: str, texts: list[str], tokens: int, extra: dict) -> dict:
     results = [dict() for _ in texts]
     barrier = threading.Barrier(len(texts))
 
     def client(i: int) -> None:
         barrier.wait()
-        one_request(url, texts[i], tokens, extra, results[i])
+        one_request(url, model, texts[i], tokens, extra, results[i])
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(texts))]
@@ -149,6 +177,135 @@ def _drafting(rows: list[dict]) -> str:
     return f"{drafted / sum(s['tokens'] for s in rows):.2f} | {sum(s['accepted'] for s in rows) / drafted:.0%}"
 
 
+class Servers:
+    """Our servers (one per --speculate the rows need) and llama-server, started once."""
+
+    def __init__(self, args: argparse.Namespace, model: str, env: dict):
+        self.args, self.model, self.env = args, model, env
+        self.ours: dict[str, Process] = {}
+        self.theirs: Process | None = None
+
+    def ours_for(self, speculate: str, home: Path | None = None) -> tuple[Process, str]:
+        if speculate not in self.ours or home is not None:
+            env = dict(self.env, EDGEINFER_HOME=str(home)) if home is not None else self.env
+            a = self.args
+            proc = Process([sys.executable, "-m", "edgeinfer", "serve", self.model, "--port", "0", "--parallel",
+                            str(a.parallel), "--ctx", str(a.ctx), "--threads", str(a.threads), "--speculate",
+                            speculate], " at http://", env)
+            if home is not None:
+                return proc, proc.first_line.split(" at ", 1)[1].split()[0]
+            self.ours[speculate] = proc
+        p = self.ours[speculate]
+        return p, p.first_line.split(" at ", 1)[1].split()[0]
+
+    def llama_server(self) -> str | None:
+        binary = TOOLS / "bin" / "llama-server"
+        if self.args.no_llama_server or not binary.exists():
+            return None
+        if self.theirs is None:
+            a = self.args
+            port = 18000 + os.getpid() % 1000
+            self.theirs = Process([str(binary), "-m", self.model, "-np", str(a.parallel), "-c", str(a.ctx), "-t",
+                                   str(a.threads), "--port", str(port), "--host", "127.0.0.1"], "listening on http",
+                                  self.env)
+            self.port = port
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        for p in self.ours.values():
+            p.stop()
+        if self.theirs is not None:
+            self.theirs.stop()
+
+
+def server_for(row: str, args: argparse.Namespace) -> tuple[str, dict]:
+    """(--speculate of the server, the request's extra fields) of one of our rows."""
+    if row.startswith("draft"):
+        return f"draft={args.draft}", {"speculation": "draft"}
+    if row.startswith("self"):
+        return f"self={args.self_quant}", {"speculation": "self"}
+    return "lookup", {"speculation": row}
+
+
+def model_id(url: str) -> str:
+    return httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+
+
+def run_rounds(args: argparse.Namespace, servers: Servers) -> None:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows: dict[str, tuple[str, str, dict]] = {}
+    for row in args.speculation.split(","):
+        speculate, extra = server_for(row, args)
+        _, url = servers.ours_for(speculate)
+        rows[f"edgeinfer {row}"] = (url, model_id(url), extra)
+    peer = servers.llama_server()
+    if peer is not None:
+        rows[f"llama-server -np {args.parallel}"] = (peer, model_id(peer), {})
+    else:
+        print(f"(no llama-server at {TOOLS / 'bin'}: run benchmarks/build_llama_tools.sh for that row)", file=sys.stderr)
+    samples: dict[tuple[str, str, int], list[dict]] = {}
+    loads: list[float] = []
+    for url, model, extra in rows.values():  # warm-up: page faults
+        round_of(url, model, prompts("snippet", 1, "warm-up "), 4, extra)
+    for rnd in range(args.rounds):
+        for workload in args.workload.split(","):
+            for c in levels:
+                names = list(rows)
+                names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order between rounds
+                for name in names:
+                    url, model, extra = rows[name]
+                    texts = prompts(workload, c, f"round {rnd} {name} ")
+                    loads.append(os.getloadavg()[0])
+                    sample = round_of(url, model, texts, args.tokens, extra)
+                    samples.setdefault((workload, name, c), []).append(sample)
+                    print(f"round {rnd + 1} {workload} c={c} {name}: {sample}", file=sys.stderr)
+    print(f"\nmodel {Path(servers.model).name}, greedy, {args.tokens} tokens per request, {args.parallel} slots, "
+          f"--ctx {args.ctx}, {args.threads} threads, median of {args.rounds} rounds; load average during the run "
+          f"{min(loads):.1f}-{max(loads):.1f}\n")
+    ref = f"llama-server -np {args.parallel}" if peer is not None else "edgeinfer off"
+    for workload in args.workload.split(","):
+        print(f"\n{workload}:\n")
+        print(f"| server | clients | total tok/s | × {ref} | TTFT s (median) | × {ref} | per-request decode tok/s "
+              "| drafted per token | accepted |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for c in levels:
+            base = samples.get((workload, ref, c))
+            base_thr = statistics.median(s["throughput"] for s in base) if base else float("nan")
+            base_ttft = statistics.median(s["ttft"] for s in base) if base else float("nan")
+            for name in rows:
+                got = samples[(workload, name, c)]
+                thr = statistics.median(s["throughput"] for s in got)
+                ttft = statistics.median(s["ttft"] for s in got)
+                print(f"| {name} | {c} | {thr:.2f} | {thr / base_thr:.2f}× | {ttft:.2f} | {ttft / base_ttft:.2f}× | "
+                      f"{statistics.median(s['decode'] for s in got):.2f} | {_drafting(got)} |")
+
+
+def run_first_requests(args: argparse.Namespace, servers: Servers) -> None:
+    """A fresh server (and store) per row and round: its first request's time to first token."""
+    ttfts: dict[str, list[float]] = {}
+    for rnd in range(args.rounds):
+        for row in args.speculation.split(","):
+            speculate, extra = server_for(row, args)
+            home = Path(tempfile.mkdtemp(prefix="bench-serve-first-"))
+            proc, url = servers.ours_for(speculate, home)
+            try:
+                out: dict = {}
+                text = prompts(args.workload.split(",")[0], 1, f"first {rnd} {row} ")[0]
+                one_request(url, model_id(url), text, args.tokens, extra, out)
+                ttfts.setdefault(row, []).append(out["ttft"])
+                print(f"round {rnd + 1} {row}: first TTFT {out['ttft']:.2f} s", file=sys.stderr)
+            finally:
+                proc.stop()
+    base = statistics.median(ttfts[args.speculation.split(",")[0]])
+    print(f"\nthe first request of a fresh server ({args.workload}, {args.tokens} tokens, median of {args.rounds}):\n")
+    print("| server | first-request TTFT s | × first row | every run |")
+    print("| --- | ---: | ---: | --- |")
+    for row, values in ttfts.items():
+        med = statistics.median(values)
+        print(f"| edgeinfer --speculate {server_for(row, args)[0]} ({row}) | {med:.2f} | {med / base:.2f}× | "
+              f"{', '.join(f'{v:.2f}' for v in values)} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="store ref or .gguf (default: an F16 copy of the default model)")
@@ -158,16 +315,20 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=8192, help="whole context, split between the slots")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workload", choices=("code", "snippet", "chat"), default="code")
+    ap.add_argument("--workload", default="snippet", help="snippet, chat300, story, code, edit-few, edit-rewrite, "
+                    "edit-add (comma-separated)")
     ap.add_argument("--no-llama-server", action="store_true")
-    ap.add_argument("--speculation", default="off,lookup,auto", help="our rows: speculation per request")
+    ap.add_argument("--speculation", default="off,lookup,auto",
+                    help="our rows: off, lookup, auto (per request), draft (--draft), self (--self-quant)")
+    ap.add_argument("--draft", help="draft model for the 'draft' row (a .gguf)")
+    ap.add_argument("--self-quant", default="Q4_0", help="the self-draft's quant type for the 'self' row")
+    ap.add_argument("--first-request", action="store_true", help="time the first request of fresh servers")
     args = ap.parse_args()
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C/kill -INT still stops the servers
-    levels = [int(c) for c in args.concurrency.split(",")]
 
     home = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    env = dict(os.environ, EDGEINFER_HOME=str(home), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, EDGEINFER_HOME=str(home))
     model = args.model
     if model is None:
         import warnings
@@ -184,55 +345,14 @@ def main() -> int:
         from edgeinfer import Store
 
         model = str(Store().resolve(model)[0])
-
-    ours = Process([sys.executable, "-m", "edgeinfer", "serve", model, "--port", "0", "--parallel", str(args.parallel),
-                    "--ctx", str(args.ctx), "--threads", str(args.threads)], " at http://", env)
-    our_url = ours.first_line.split(" at ", 1)[1].split()[0]
-    servers = {f"edgeinfer {spec}": (our_url, {"speculation": spec}) for spec in args.speculation.split(",")}
-    theirs = None
-    llama_server = TOOLS / "bin" / "llama-server"
-    if not args.no_llama_server and llama_server.exists():
-        port = 18000 + os.getpid() % 1000
-        theirs = Process([str(llama_server), "-m", model, "-np", str(args.parallel), "-c", str(args.ctx), "-t",
-                          str(args.threads), "--port", str(port), "--host", "127.0.0.1"], "listening on http", env)
-        servers[f"llama-server -np {args.parallel}"] = (f"http://127.0.0.1:{port}/v1", {})
-    else:
-        print(f"(no llama-server at {llama_server}: run benchmarks/build_llama_tools.sh for that row)", file=sys.stderr)
-
+    servers = Servers(args, model, env)
     try:
-        samples: dict[tuple[str, int], list[dict]] = {}
-        loads: list[float] = []
-        for url, extra in servers.values():  # warm-up: page faults and the cost calibration
-            round_of(url, prompts(args.workload, 1, "warm-up "), 4, extra)
-        for rnd in range(args.rounds):
-            for c in levels:
-                names = list(servers)
-                if rnd % 2:
-                    names.reverse()  # alternate the order within the round
-                for name in names:
-                    url, extra = servers[name]
-                    texts = prompts(args.workload, c, f"round {rnd} {name} ")
-                    loads.append(os.getloadavg()[0])
-                    samples.setdefault((name, c), []).append(round_of(url, texts, args.tokens, extra))
-                    print(f"round {rnd + 1} c={c} {name}: {samples[(name, c)][-1]}", file=sys.stderr)
+        if args.first_request:
+            run_first_requests(args, servers)
+        else:
+            run_rounds(args, servers)
     finally:
-        ours.stop()
-        if theirs is not None:
-            theirs.stop()
-
-    print(f"\nmodel {Path(model).name}, {args.workload} workload, greedy, {args.tokens} tokens per request, "
-          f"{args.parallel} slots, {args.threads} threads, median of {args.rounds} rounds; "
-          f"load average during the run {min(loads):.1f}-{max(loads):.1f}\n")
-    print("| server | clients | total tok/s | per-request decode tok/s | TTFT s | vs edgeinfer off "
-          "| drafted per token | accepted |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for c in levels:
-        base = statistics.median(s["throughput"] for s in samples[("edgeinfer off", c)])
-        for name in servers:
-            rows = samples[(name, c)]
-            thr = statistics.median(s["throughput"] for s in rows)
-            print(f"| {name} | {c} | {thr:.1f} | {statistics.median(s['decode'] for s in rows):.1f} | "
-                  f"{statistics.median(s['ttft'] for s in rows):.3f} | {thr / base:.2f}× | {_drafting(rows)} |")
+        servers.stop()
     return 0
 
 

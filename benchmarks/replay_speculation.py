@@ -45,17 +45,17 @@ SAMPLED = {"sampled story": "Write a short story about a lighthouse keeper and a
 def cost_curve(engine, prompt: list[int], reps: int = 5, max_b: int = 33) -> dict[int, float]:
     """Median time in seconds of a b-token decode (logits for every row) after `prompt`, every b,
     sizes alternating within each repetition so that load affects them alike."""
-    rt = engine._runtime
+    seq = engine._scheduler.slots[0].seq  # the engine's own sequence, driven by hand
     engine.reset()
-    rt.decode_all(prompt)
-    base = len(rt.cached)
+    seq.decode_all(prompt)
+    base = len(seq)
     times: dict[int, list[float]] = {}
     for _ in range(reps):
         for b in range(1, max_b + 1):
             t0 = time.perf_counter()
-            rt.decode([prompt[i % len(prompt)] for i in range(b)], logits_from=0)
+            seq.decode([prompt[i % len(prompt)] for i in range(b)], logits_from=0)
             times.setdefault(b, []).append(time.perf_counter() - t0)
-            rt.truncate(base)
+            seq.truncate(base)
     return {b: statistics.median(v) for b, v in times.items()}
 
 
@@ -172,8 +172,9 @@ def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str
             made[name] = lambda: CostModel(dict(curve))
         elif name == "calibrated":
             engine.reset()
-            engine._runtime.decode_all(prompt)
-            seconds = calibrate_costs(engine._runtime, prompt[-64:]).to_dict()
+            seq = engine._scheduler.slots[0].seq
+            seq.decode_all(prompt)
+            seconds = calibrate_costs(seq, prompt[-64:]).to_dict()
             made[name] = lambda s=seconds: CostModel.from_dict(s)
         elif name == "prior":  # what the engine starts from when `edgeinfer bench` has not measured
             f = engine._runtime.facts

@@ -20,7 +20,6 @@ import asyncio
 import base64
 import json
 import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -134,27 +133,6 @@ def embeddings_body(result: Any, model: str, as_base64: bool) -> bytes:
     return json.dumps({"object": "list", "data": data, "model": model, "usage": usage}).encode()
 
 
-# TEMPORARY (until the engine faces have a public `embed`): an Embedder over the engine's runtime,
-# one per engine, created on first use. Remove with the fallback in `_embed`.
-_fallback: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_fallback_lock = threading.Lock()
-
-
-def _embed(engine: Any, inputs: list[Any], options: edgeinfer.EmbedOptions, cancel: threading.Event) -> Any:
-    embed = getattr(engine, "embed", None)
-    if embed is not None:
-        return embed(inputs, options, cancel=cancel)
-    from edgeinfer.engine.embedding import (
-        Embedder,  # TEMPORARY fallback: private runtime access
-    )
-
-    with _fallback_lock:
-        embedder = _fallback.get(engine)
-        if embedder is None or embedder.closed:
-            embedder = _fallback[engine] = Embedder(engine._runtime, max_tokens=engine.n_ctx_per_request)
-    return embedder.embed(inputs, options, cancel=cancel)
-
-
 async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
     while True:
         message = await request.receive()
@@ -172,7 +150,7 @@ async def handle_embeddings(service: Any, request: Request) -> Response:
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     inputs = [x if isinstance(x, str) else list(x) for x in parsed.inputs]
     try:
-        result = await run_in_threadpool(_embed, engine, inputs, parsed.options, cancel)
+        result = await run_in_threadpool(lambda: engine.embed(inputs, parsed.options, cancel=cancel))
         content = await run_in_threadpool(embeddings_body, result, engine.name, parsed.base64)
     except edgeinfer.Cancelled:
         return Response(status_code=_CLIENT_GONE)

@@ -8,8 +8,8 @@ has flash attention off, as the engines loaded here (`flash_attn=False`); where 
 on for the CPU) is compared, the reference gets `flash_attn=True` (llama.cpp's CPU flash attention
 accumulates V in f16: ~5e-4 apart from the other path, on unit vectors).
 
-Until the engine faces have a public `embed` (being added), the library tests build the Embedder
-over `engine._runtime` themselves (see `_embedder`); the CLI and the server fall back to the same.
+The module's tests build an Embedder over an engine's model (`_embedder`); the engines' public
+`embed` (Engine and BatchEngine share it), the CLI and the server go through the same class.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _lcp(path: Path, texts: list, *, pooling: str | None = None, normalize: bool
 
 
 def _embedder(engine, **kw) -> Embedder:
-    # TEMPORARY: over the engine's runtime until Engine.embed exists (then: engine.embed(...)).
+    """An Embedder over the engine's model: the module itself, its attributes and limits (the
+    public `engine.embed` is the same object behind a lock: test_the_engines_embed_is_the_embedder)."""
     return Embedder(engine._runtime, **kw)
 
 
@@ -307,7 +308,7 @@ def test_converted_qwen3_embedding_equals_llama_cpp_python_and_numpy(qwen3_embed
 @pytest.mark.slow
 def test_hostile_inputs_get_one_line_errors(f16_default, qwen3_embedding_gguf):
     with edgeinfer.load(qwen3_embedding_gguf, n_ctx=256, flash_attn=False) as engine:
-        emb = _embedder(engine)
+        emb = _embedder(engine, max_tokens=256)
         assert emb.max_tokens == 256
         empty = emb.embed([])
         assert empty.vectors.shape == (0, 256) and empty.prompt_tokens == 0
@@ -533,3 +534,21 @@ def test_server_refuses_hostile_requests_with_400(embed_server):
         assert r.json()["error"]["code"] == "context_length_exceeded"
         # the server still answers after all that
         assert http.post(url, json={"input": "fine", "model": MODEL_FILE}).status_code == 200
+
+
+@pytest.mark.slow
+def test_the_engines_embed_is_the_embedder(f16_default):
+    """Engine.embed and BatchEngine.embed (one embedder on a context of its own, made on first use)
+    give the module's vectors, also while a generation runs on the same BatchEngine."""
+    texts = ["a cat sat on the mat", "quantum chromodynamics", "a cat on a mat"]
+    mean = EmbedOptions(pooling="mean")  # a chat model declares no pooling of its own
+    with edgeinfer.load(f16_default, n_ctx=512, flash_attn=False) as engine, _embedder(engine) as emb:
+        reference = emb.embed(texts, mean).vectors
+        assert np.array_equal(engine.embed(texts, mean).vectors, reference)
+    with edgeinfer.BatchEngine.load(f16_default, n_ctx=1024, flash_attn=False,
+                                    batch=edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False)) as be:
+        gen = be.generate("Once upon a time", edgeinfer.GenerateOptions(max_tokens=32))
+        assert np.array_equal(be.embed(texts, mean).vectors, reference)
+        assert gen.result().finish_reason in ("length", "eos")
+    with pytest.raises(edgeinfer.EngineClosedError):
+        be.embed(texts, mean)

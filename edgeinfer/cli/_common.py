@@ -94,8 +94,9 @@ def _tensor_split(text: str) -> tuple[float, ...]:
     return shares
 
 
-def add_placement_options(p: argparse.ArgumentParser) -> None:
-    """--gpu-layers, --rpc, --tensor-split: where a model's layers run (edgeinfer.devices)."""
+def add_placement_options(p: argparse.ArgumentParser, drafts: bool = False) -> None:
+    """--gpu-layers, --rpc, --tensor-split: where a model's layers run (edgeinfer.devices); with
+    `drafts`, --draft-gpu-layers for the draft model of a command that speculates."""
     p.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|all|auto",
                    help="layers on GPUs and RPC workers (default auto: as many as their memory holds; none on a "
                    "CPU-only build; `edgeinfer doctor` shows what this build has)")
@@ -104,14 +105,17 @@ def add_placement_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-split", type=_tensor_split, default=(), metavar="HOST,DEV1,...",
                    help="shares of the layers: this machine first, then each worker in --rpc order, then local GPUs "
                    "(e.g. 1,1,1; default: by the devices' free memory)")
-    p.add_argument("--draft-gpu-layers", type=_gpu_layers, default=None, metavar="N|all|auto",
-                   help="layers of a draft model or self-draft on GPUs and workers (default: as the target's)")
+    if drafts:
+        p.add_argument("--draft-gpu-layers", type=_gpu_layers, default=None, metavar="N|all|auto",
+                       help="layers of a draft model or self-draft on GPUs and workers (default: as the target's)")
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, object]:
     """The LoadOptions fields of the placement flags."""
-    return {"n_gpu_layers": args.gpu_layers, "rpc": args.rpc, "tensor_split": args.tensor_split,
-            "draft_gpu_layers": getattr(args, "draft_gpu_layers", None)}
+    out = {"n_gpu_layers": args.gpu_layers, "rpc": args.rpc, "tensor_split": args.tensor_split}
+    if hasattr(args, "draft_gpu_layers"):  # the commands that load draft models
+        out["draft_gpu_layers"] = args.draft_gpu_layers
+    return out
 
 
 def int_range(lo: int, hi: int | Callable[[], int]) -> Callable[[str], int]:

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
-    add_placement_options(p)
+    add_placement_options(p, drafts=True)
     # Not given: the open chat keeps the cache types saved with it (a new chat: f16).
     p.set_defaults(func=chat, kv_type=None)
 

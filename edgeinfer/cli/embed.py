@@ -79,17 +79,6 @@ def _read(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _embed(engine, texts: list[str], options):
-    embed = getattr(engine, "embed", None)
-    if embed is not None:
-        return embed(texts, options)
-    # TEMPORARY, until Engine has a public `embed`: an Embedder over the engine's runtime.
-    from edgeinfer.engine.embedding import Embedder
-
-    with Embedder(engine._runtime, max_tokens=engine.n_ctx) as embedder:
-        return embedder.embed(texts, options)
-
-
 def run(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -98,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                                      truncate=args.truncate, prompt_name=args.prompt_name).validate()
     load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv_options(args)).validate()
     with edgeinfer.load(args.model, load) as engine:
-        result = _embed(engine, texts, options)
+        result = engine.embed(texts, options)
         name = engine.name
     out = sys.stdout
     if args.json:

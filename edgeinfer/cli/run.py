@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
-    add_placement_options(p)
+    add_placement_options(p, drafts=True)
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M (output is unchanged, "
                    "speed may be; auto=MODEL: auto may draft with MODEL where it pays)")

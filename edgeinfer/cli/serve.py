@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
-    add_placement_options(p)
+    add_placement_options(p, drafts=True)
     p.add_argument("--speculate", default="off", metavar="SPEC",
                    help="speculation for requests: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q4_K_M "
                    "(a draft model or self-draft is opened at start-up, one sequence per slot); a request may "

@@ -257,6 +257,7 @@ class Engine(ModelFace):
         self._slot.close(self._free)
 
     def _free(self) -> None:
+        self._close_embedder()
         self._drafts.close()
         self._runtime.close()
 

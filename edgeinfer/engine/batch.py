@@ -483,6 +483,7 @@ class BatchEngine(ModelFace):
             self._calibration.interrupt()
         self._thread.join()
         self._closed = True
+        self._close_embedder()
         self._drafts.close()
         self._runtime.close()
 

@@ -9,12 +9,14 @@ request may use: the whole context on Engine, a slot's share on BatchEngine).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import ContextLengthError, EngineClosedError, InvalidOptionError
 from ..gguf_file import GGUFInfo
 from ..store import ModelManifest, Store
+from .embedding import Embedder, EmbeddingResult, EmbedOptions
 from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions
@@ -35,6 +37,8 @@ class ModelFace:
     store: Store
     _runtime: LlamaRuntime
     _chosen_template: str | None = None
+    _embedder: Embedder | None = None
+    _embed_lock = threading.Lock()  # (one for all engines: creating an embedder is rare)
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -133,6 +137,23 @@ class ModelFace:
         """The prompt tokens of a conversation, rendered with the model's own chat template."""
         self._check_open()
         return chat_tokens(self.chat_template, self._messages(messages), self._vocab(), name=self.name)
+
+    # -- embeddings ----------------------------------------------------------------------------
+    def embed(self, items: str | Sequence[str | Sequence[int]], options: EmbedOptions | None = None, *,
+              cancel: Callable[[], bool] | threading.Event | None = None) -> EmbeddingResult:
+        """Embeddings of texts (or token-id lists) with the pooling the GGUF declares (or
+        `options.pooling`), normalized as the model's card says: on a context of their own on the
+        same weights, so they never wait for (or disturb) generation. Safe from any thread."""
+        self._check_open()
+        with self._embed_lock:
+            if self._embedder is None:
+                self._embedder = Embedder(self._runtime, max_tokens=self.n_ctx_per_request)
+        return self._embedder.embed(items, options, cancel=cancel)
+
+    def _close_embedder(self) -> None:
+        """Before the runtime is freed (a running embed finishes first: it holds the embedder's lock)."""
+        if self._embedder is not None:
+            self._embedder.close()
 
     # -- the cost curve (kept in the store per model file, threads, batch and KV cache) ----------
     def _cost_key(self) -> str:

@@ -128,6 +128,7 @@ class RequestState:
             row = first_row + i
             if qs is not None and i < len(drafts):
                 kept, tok = verify_sampled_draft(sampler.distribution(row), qs[i], drafts[i], sampler.rng)
+                sampler.accept(tok)  # grammar and penalty window advance by the committed token
             else:  # sample-and-match (the bonus token: a plain sample from p)
                 tok = sample(row)
                 kept = i < len(drafts) and tok == drafts[i]

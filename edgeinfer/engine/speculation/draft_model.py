@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import IncompatibleDraftError
 from ..llama import DecodeRows, LlamaRuntime
-from ..sampler import Sampler, TokenDistribution, sampling_distribution
+from ..sampler import Sampler, TokenDistribution
 from ..sequence import KVSequence, common_prefix
 from .policy import CostModel, LengthPolicy
 
@@ -78,13 +78,16 @@ def relative_draft_cost(target: KVSequence, draft: KVSequence, reps: int = 3) ->
 
 @dataclass
 class DraftJob:
-    """One request's drafting in a step: up to `k` tokens after `history`, argmax or sampled from
-    q with `sampler` (its settings and RNG); `p_min` stops a draft whose top token is unsure."""
+    """One request's drafting in a step: up to `k` tokens after `history`. With the request's
+    `sampler` the draft follows its constraints (grammar, penalties) through a fork of it, and
+    with `sampled` draws from q with its settings and RNG (else: the top token); `p_min` stops a
+    draft whose top token is unsure."""
 
     slot: int
     history: Sequence[int]
     k: int
     sampler: Sampler | None = None
+    sampled: bool = False
     p_min: float = 0.0
     tokens: list[int] = field(default_factory=list)
     qs: list[TokenDistribution] = field(default_factory=list)  # q of each token when sampled
@@ -117,7 +120,21 @@ class DraftContext:
         rt = self.runtime
         pending = {id(j): self._sync(self.seqs[j.slot], j.history, min(_CATCH_UP_ROWS, rt.n_batch)) for j in jobs}
         active = [j for j in jobs if j.k > 0]
+        # The drafts follow each request's grammar and penalties from its state now: a fork,
+        # advanced along the draft and thrown away after it.
+        forks = {id(j): j.sampler.fork(rt) for j in active if j.sampler is not None}
         t0 = time.perf_counter()
+        try:
+            self._draft(active, pending, forks)
+        finally:
+            for f in forks.values():
+                f.close()
+        per = (time.perf_counter() - t0) / max(len(jobs), 1)
+        for j in jobs:
+            j.seconds = per
+
+    def _draft(self, active: list[DraftJob], pending: dict[int, list[int]], forks: dict[int, Sampler]) -> None:
+        rt = self.runtime
         while active:
             rows = DecodeRows()
             lasts: list[int] = []
@@ -136,7 +153,7 @@ class DraftContext:
             still = []
             for j, row in zip(active, lasts):
                 self.seqs[j.slot].committed(pending[id(j)])
-                tok = self._next(rt.logits_row(row), j)
+                tok = self._next(rt.logits_row(row), j, forks.get(id(j)))
                 if tok is None:
                     continue
                 j.tokens.append(tok)
@@ -144,25 +161,25 @@ class DraftContext:
                 if len(j.tokens) < j.k:
                     still.append(j)
             active = still
-        per = (time.perf_counter() - t0) / max(len(jobs), 1)
-        for j in jobs:
-            j.seconds = per
 
     @staticmethod
-    def _next(row: np.ndarray, job: DraftJob) -> int | None:
+    def _next(row: np.ndarray, job: DraftJob, fork: Sampler | None) -> int | None:
         """The next draft token from a logits row, or None where p_min says stop (never before the
         first token). Stopping depends only on q, before its token is drawn: the rule stays exact."""
-        if job.sampler is not None:
-            q = sampling_distribution(row, job.sampler.options)
+        if job.sampled and fork is not None:
+            q = fork.distribution(row)
             if q.top < job.p_min and job.tokens:
                 return None
             job.qs.append(q)
-            return q.draw(job.sampler.rng)
-        tok = int(np.argmax(row))
-        if job.p_min > 0 and job.tokens:
-            z = row - row[tok]
-            if 1.0 / float(np.exp(z, dtype=np.float32).sum()) < job.p_min:
-                return None
+            tok = q.draw(fork.rng)
+        else:
+            tok = int(fork.distribution(row).ids[0]) if fork is not None else int(np.argmax(row))  # (greedy: one-hot)
+            if job.p_min > 0 and job.tokens:
+                z = row - row[tok]
+                if 1.0 / float(np.exp(z, dtype=np.float32).sum()) < job.p_min:
+                    return None
+        if fork is not None:
+            fork.accept(tok)
         return tok
 
     def release(self, slot: int) -> None:

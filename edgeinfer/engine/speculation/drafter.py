@@ -61,13 +61,11 @@ class RequestSpeculation:
         if draft is not None and spec.method in ("draft", "self", "auto"):
             self.model = ModelDrafter(draft, LengthPolicy(costs, spec, max_failed_explorations=2), spec.p_min,
                                       draft.method if spec.method == "auto" else self.method)
-        # At T > 0 with a draft model its drafts are sampled from q (the rejection rule verifies).
-        self.sampler = sampler if self.model is not None and sampler is not None and sampler.exact else None
-
-    @property
-    def sampled(self) -> bool:
+        # A draft model follows the request's constraints (its sampler's forks); at T > 0 it samples
+        # its drafts from q (the rejection rule verifies).
+        self.sampler = sampler if self.model is not None else None
+        self.sampled = self.sampler is not None and self.sampler.exact
         """Whether this request's tokens are all drawn in numpy (a sampling draft model)."""
-        return self.sampler is not None
 
     def policies(self) -> list[LengthPolicy]:
         out = [self.lookup_policy] if self.lookup_policy is not None else []
@@ -108,7 +106,9 @@ class RequestSpeculation:
                 rate = _best_rate(proposal)
                 if best is None or rate > best_rate:
                     best = proposal
-                    best.job = DraftJob(slot, history, 0, self.sampler, model.p_min)
+                    constrained = self.sampler is not None and (self.sampled or self.sampler.grammar is not None)
+                    best.job = DraftJob(slot, history, 0, self.sampler if constrained else None, self.sampled,
+                                        model.p_min)
                     best.context = model.context
         return best
 
