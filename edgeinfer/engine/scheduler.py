@@ -310,8 +310,7 @@ class Scheduler:
         r.t_admit = time.perf_counter()
         r.stats.queue_s = r.t_admit - r.t_submit
         self.active.append(r)
-        make = getattr(Sampler, "for_request", None)  # TODO(lead): the grammar-aware constructor lands with grammar.py
-        r.sampler = make(rt, r.options) if make is not None else Sampler(rt, r.options.sampling)
+        r.sampler = Sampler.for_request(rt, r.options)
         spec = r.options.speculation
         if spec.method != "off" and not rt.facts.recurrent:
             stats = SpeculationStats()
