@@ -37,7 +37,7 @@ from .config import ServerConfig, check_credentials
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
-from .tools import ParsedGeneration, prepare_chat
+from .tools import prepare_chat
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
@@ -269,10 +269,10 @@ class _Service:
         engine = self.engine
         release = self.admit()
         try:
-            options, parser = parsed.options, None
+            options, tools = parsed.options, None
             if parsed.kind == "chat":
-                tokens, options, parser = await run_in_threadpool(prepare_chat, engine, parsed.messages, options,
-                                                                  parsed.tools)
+                tokens, options, tools = await run_in_threadpool(prepare_chat, engine, parsed.messages, options,
+                                                                 parsed.tools)
             elif isinstance(parsed.prompt, str):
                 tokens = await run_in_threadpool(engine.tokenize, parsed.prompt)
             else:
@@ -281,8 +281,8 @@ class _Service:
             wake = asyncio.Event()
             gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
                                 notify=lambda: loop.call_soon_threadsafe(wake.set))
-            if parser is not None:  # tools: content and tool calls parsed out of the text
-                gen = ParsedGeneration(gen, parser)
+            if tools is not None:  # content and tool calls parsed out of the text
+                gen = tools.wrap(gen)
         except edgeinfer.EdgeInferError as e:
             release()
             if engine.closed:

@@ -19,12 +19,12 @@ from typing import Any
 
 import edgeinfer
 from edgeinfer.engine.chat import normalize_messages
-from edgeinfer.engine.tools import ToolCallParser, normalize_tool_choice, normalize_tools, tool_request
+from edgeinfer.engine.tools import ToolSetup, normalize_tool_choice, normalize_tools, tool_request
 
 from .errors import APIError
 
 __all__ = ["ToolFields", "parse_tool_fields", "parse_constraint", "chat_message", "prepare_chat",
-           "ParsedGeneration", "tool_call_json", "ToolDeltas"]
+           "tool_call_json", "ToolDeltas"]
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -124,9 +124,10 @@ def chat_message(m: Mapping[str, Any], i: int, content: str) -> dict[str, Any]:
 
 
 def prepare_chat(engine: Any, messages: Sequence[Mapping[str, Any]], options: edgeinfer.GenerateOptions,
-                 fields: ToolFields) -> tuple[list[int], edgeinfer.GenerateOptions, ToolCallParser | None]:
-    """The prompt tokens, the options (with the tool grammar) and the parser of a chat request.
-    Runs in a worker thread (rendering, tokenizing and compiling a grammar take time)."""
+                 fields: ToolFields) -> tuple[list[int], edgeinfer.GenerateOptions, ToolSetup | None]:
+    """The prompt tokens, the options (with the tool grammar) and the tool setup (whose `wrap`
+    parses the generation's events) of a chat request. Runs in a worker thread (rendering,
+    tokenizing and compiling a grammar take time)."""
     if not fields.tools:
         return engine.chat_tokens(list(messages)), options, None
     setup = tool_request(engine.chat_template, fields.tools, fields.tool_choice, fields.parallel_tool_calls,
@@ -134,22 +135,7 @@ def prepare_chat(engine: Any, messages: Sequence[Mapping[str, Any]], options: ed
     if setup.render_tools is None:  # tool_choice "none": no tools in the prompt, nothing parsed
         return engine.chat_tokens(list(messages)), options, None
     tokens = engine.chat_tokens(list(messages), tools=setup.render_tools)
-    return tokens, setup.options(options), setup.parser()
-
-
-class ParsedGeneration:
-    """A generation whose events pass through a ToolCallParser as they are polled."""
-
-    def __init__(self, gen: Any, parser: ToolCallParser):
-        self._gen = gen
-        self._parser = parser
-
-    def poll(self) -> list:
-        batch = self._gen.poll()
-        return list(self._parser.events(batch)) if batch else batch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gen, name)
+    return tokens, setup.options(options), setup
 
 
 def tool_call_json(call: edgeinfer.ToolCall) -> dict[str, Any]:

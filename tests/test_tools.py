@@ -243,6 +243,32 @@ def test_token_events_keep_their_fields_and_other_events_pass():
     assert out[-1].finish_reason == "tool_calls" and out[-1].tokens == [5, 6]
 
 
+def test_a_wrapped_generation_iterates_and_polls_parsed_events():
+    text = ["Hi ", "<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
+    events = [TokenEvent(i, t) for i, t in enumerate(text)] + [DoneEvent("".join(text), [0, 1, 2, 3], "eos",
+                                                                         GenerationStats())]
+
+    class Polled:
+        done = None
+        finished = False
+
+        def __init__(self):
+            self.batches = [events[:2], [], events[2:]]
+
+        def poll(self):
+            return self.batches.pop(0)
+
+    setup = tool_request(QWEN25, TOOLS)
+    gen = setup.wrap(iter(events))
+    assert gen.done is None
+    out = list(gen)
+    assert out[-1] is gen.done and gen.done.tool_calls[0].name == "get_time" and gen.done.text == "Hi "
+    polled = setup.wrap(Polled())
+    batches = [polled.poll() for _ in range(3)]
+    assert batches[1] == [] and polled.finished is False  # (other attributes are the generation's)
+    assert [type(e).__name__ for e in batches[2]][-1] == "DoneEvent" and polled.done.finish_reason == "tool_calls"
+
+
 def test_call_ids():
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(i.startswith("call_") and len(i) == 29 for i in ids)
@@ -609,7 +635,9 @@ def test_required_forces_a_call_with_valid_arguments_on_the_default_model(defaul
     for choice in ("auto", "required"):
         setup = tool_request(template, [WEATHER], choice, parallel_tool_calls=False, tokenize=cv.tokenize)
         prompt = chat_tokens(template, messages, cv, tools=setup.render_tools)
-        events = list(setup.parser().events(default_engine.generate(prompt, setup.options(options))))
+        gen = setup.wrap(default_engine.generate(prompt, setup.options(options)))
+        events = list(gen)
+        assert events[-1] is gen.done is gen.result() and gen.stats.generated_tokens == len(events[-1].tokens)
         results[choice] = events[-1]
     assert results["auto"].tool_calls == () and results["auto"].text
     done = results["required"]

@@ -47,6 +47,7 @@ import json
 import re
 import secrets
 import string
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -62,6 +63,7 @@ __all__ = [
     "FORMATS",
     "ToolSetup",
     "ToolCallParser",
+    "ToolGeneration",
     "ToolChoice",
     "detect_format",
     "normalize_tools",
@@ -211,6 +213,10 @@ class ToolSetup:
                               markers=self.markers, parallel=self.parallel,
                               enabled=self.render_tools is not None)
 
+    def wrap(self, generation: Any) -> ToolGeneration:
+        """`generation` (an Engine's Generation or a BatchGeneration) with its events parsed."""
+        return ToolGeneration(generation, self.parser())
+
 
 def tool_request(
     template: str,
@@ -259,6 +265,56 @@ def new_call_id(fmt: ToolFormat = HERMES) -> str:
     if fmt.name.startswith("mistral"):
         return "".join(secrets.choice(alphabet) for _ in range(9))
     return "call_" + "".join(secrets.choice(alphabet) for _ in range(24))
+
+
+class ToolGeneration:
+    """A generation whose events pass through a ToolCallParser: iterate it (or `poll()` a
+    BatchGeneration's) for content TokenEvents, ToolCallEvents and the DoneEvent with `tool_calls`;
+    `done` and `result()` give that DoneEvent; everything else (cancel, close, stats, options,
+    finished, ...) is the wrapped generation's."""
+
+    def __init__(self, generation: Any, parser: ToolCallParser):
+        self._gen = generation
+        self._parser = parser
+        self._queue: deque[Event] = deque()
+        self._done: DoneEvent | None = None
+
+    def _parse(self, events: Iterable[Event]) -> list[Event]:
+        out = list(self._parser.events(events))
+        for e in out:
+            if isinstance(e, DoneEvent):
+                self._done = e
+        return out
+
+    def __iter__(self) -> ToolGeneration:
+        return self
+
+    def __next__(self) -> Event:
+        while not self._queue:
+            self._queue.extend(self._parse([next(self._gen)]))  # StopIteration ends this one too
+        return self._queue.popleft()
+
+    def poll(self) -> list[Event]:
+        batch = self._gen.poll()
+        return self._parse(batch) if batch else batch
+
+    @property
+    def done(self) -> DoneEvent | None:
+        """The DoneEvent with the calls, once the generation has ended (also when closed early)."""
+        if self._done is None and getattr(self._gen, "done", None) is not None:
+            self._parse([self._gen.done])  # ended without its DoneEvent being read here
+        return self._done
+
+    def result(self) -> DoneEvent:
+        """Run to the end; the DoneEvent (content as `text`, the calls as `tool_calls`)."""
+        for _ in self:
+            pass
+        done = self.done
+        assert done is not None
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gen, name)
 
 
 # -- grammar ---------------------------------------------------------------------------------------
