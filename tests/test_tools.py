@@ -554,6 +554,15 @@ def test_special_text_in_tools_and_tool_results_is_text():
         assert ids.count(start) == benign.count(start) == 5  # system, user, assistant, tool results, generation
 
 
+def test_text_that_is_not_unicode_is_a_one_line_error(default_vocab):
+    cv = default_vocab.chat_vocab()
+    for messages, tools in (([{"role": "user", "content": "bad \ud800 text"}], None),
+                            ([{"role": "user", "content": "x"}], [{**WEATHER, "function": {**WEATHER["function"],
+                                                                                          "description": "\udfff"}}])):
+        with pytest.raises(InvalidOptionError, match="not valid Unicode"):
+            chat_tokens(CHATML_TEMPLATE, messages, cv, tools=tools)
+
+
 def test_hostile_amounts_of_special_text_stay_fast():
     vocab = FakeVocab(["<|im_start|>", "<|im_end|>"])
     cv = ChatVocab("", "", -1, False, vocab.tokenize)

@@ -490,6 +490,14 @@ def chat_tokens(template: str, messages: Sequence[Message], vocab: ChatVocab, *,
     """The prompt tokens of a conversation rendered with `template` (BOS added when the model
     wants one and the template did not write it). The template's markup is tokenized with special
     tokens parsed, the text of messages and tools without (see the module)."""
+    try:
+        return _chat_tokens(template, messages, vocab, name, limits, tools)
+    except UnicodeEncodeError as e:  # a lone surrogate: valid in a Python str, not in UTF-8
+        raise InvalidOptionError(f"chat text is not valid Unicode: {e.reason} (U+{ord(e.object[e.start]):04X})") from None
+
+
+def _chat_tokens(template: str, messages: Sequence[Message], vocab: ChatVocab, name: str,
+                 limits: TemplateLimits | None, tools: Sequence[Mapping[str, Any]] | None) -> list[int]:
     msgs = normalize_messages(messages)
     tool_list = _tool_list(tools)
     source = BUILTIN_TEMPLATES.get(template, template)
