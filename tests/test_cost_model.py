@@ -128,3 +128,25 @@ def test_busy_machine_is_recognised():
     assert MachineLoad(before=1.5, after=3.0, cpus=2, threads=2).busy  # another process held a core
     assert not MachineLoad(before=0.9, after=1.9, cpus=2, threads=1).busy  # one core was left free for it
     assert MachineLoad(before=12.0, after=14.0, cpus=2, threads=1).busy
+
+
+def test_the_prefill_knee_is_the_smallest_chunk_near_the_cheapest_per_row():
+    """Per-row cost falls to 128 rows and rises after (as llama-bench shows for the 1.5B on this
+    CPU): prompts enter 128 rows a step. A curve not measured that far leaves the whole ubatch."""
+    seconds = {1: 0.05, 4: 0.19, 16: 0.32, 32: 0.78, 64: 0.48, 128: 0.82, 256: 2.4, 512: 5.2}
+    assert CostModel(seconds).prefill_knee(512) == 128
+    assert CostModel(seconds).prefill_knee(100) == 64  # a smaller ubatch: the best it holds
+    flat = {b: 0.01 * max(1.0, b / 64) for b in (1, 8, 64, 128, 256, 512)}
+    assert CostModel(flat).prefill_knee(512) == 64
+    assert CostModel({1: 0.01, 2: 0.012, 33: 0.2}).prefill_knee(512) == 512  # not measured that far
+    assert CostModel.prior(1_117_320_768, n_layer=28, n_embd=1536).prefill_knee(512) == 512
+
+
+def test_adopting_a_measured_curve_keeps_it_non_decreasing():
+    costs = CostModel.prior(1_117_320_768, n_layer=28, n_embd=1536)
+    costs.adopt({1: 0.05, 2: 0.06, 4: 0.055, 8: 0.1})  # 4 rows timed faster than 2: noise, not a fact
+    assert [costs.shape(b) for b in (1, 2, 4, 8)] == sorted(costs.shape(b) for b in (1, 2, 4, 8))
+    assert costs.shape(4) == pytest.approx(costs.shape(2))
+    assert costs.is_measured(8) and not costs.is_prior
+    assert costs.shape(3) == pytest.approx(costs.shape(2))  # the prior's guess for 3 is gone: interpolated
+    assert costs.time(1) == pytest.approx(0.05)
