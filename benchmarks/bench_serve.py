@@ -195,6 +195,7 @@ class Servers:
             if home is not None:
                 return proc, proc.first_line.split(" at ", 1)[1].split()[0]
             self.ours[speculate] = proc
+            _settled(proc.first_line.split(" at ", 1)[1].split()[0])
         p = self.ours[speculate]
         return p, p.first_line.split(" at ", 1)[1].split()[0]
 
@@ -225,6 +226,16 @@ def server_for(row: str, args: argparse.Namespace) -> tuple[str, dict]:
     if row.startswith("self"):
         return f"self={args.self_quant}", {"speculation": "self"}
     return "lookup", {"speculation": row}
+
+
+def _settled(url: str, limit_s: float = 600) -> None:
+    """Wait until a new server of ours has measured its cost curve (it does while idle): its
+    calibration must not run while another row is being measured."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if not httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json().get("calibrating"):
+            return
+        time.sleep(1)
 
 
 def model_id(url: str) -> str:

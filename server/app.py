@@ -368,7 +368,8 @@ class _Service:
             return JSONResponse({"status": "ok"})
         m = self.engine.metrics()
         return JSONResponse({"status": "ok", "model": self.engine.name, "slots_busy": m.active,
-                             "slots": self.engine.parallel, "queue_depth": m.queue_depth})
+                             "slots": self.engine.parallel, "queue_depth": m.queue_depth,
+                             "calibrating": m.calibrating})
 
     async def metrics(self, request: Request) -> Response:
         text = prom.render(self.engine.name, self.engine.metrics(), self.http.snapshot())

@@ -61,4 +61,6 @@ def render(model: str, m: edgeinfer.BatchMetrics, http: dict[tuple[str, int], in
     metric("speculation_accepted_tokens_total", "counter", "Drafted tokens the model accepted.", [(mod, m.accepted)])
     metric("speculation_acceptance_ratio", "gauge", "Accepted / drafted since start.",
            [(mod, round(m.accepted / m.drafted, 4) if m.drafted else 0.0)])
+    metric("cost_curve_calibrating", "gauge", "1 while the idle measurement of the decode cost curve is unfinished.",
+           [(mod, int(m.calibrating))])
     return "\n".join(lines) + "\n"

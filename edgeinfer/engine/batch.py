@@ -114,6 +114,7 @@ class BatchMetrics:
     drafted: int
     accepted: int
     slots: tuple[SlotMetrics, ...]
+    calibrating: bool = False  # the idle calibration of the cost curve is not finished
 
 
 # -- a request, as its submitter sees it ------------------------------------------------------------
@@ -457,6 +458,7 @@ class BatchEngine(ModelFace):
                 drafted=c.drafted,
                 accepted=c.accepted,
                 slots=slots,
+                calibrating=self._calibration is not None and self._calibration.pending(),
             )
 
     def cost_curve(self) -> dict[int, float]:
