@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
 from .scheduler import Scheduler
 from .slot import RequestSlot
+from .tools import ToolGeneration
 from .speculation import CostModel, measure_costs
 
 __all__ = ["Engine", "Generation", "load"]
@@ -160,15 +161,23 @@ class Engine(ModelFace):
         options: GenerateOptions | None = None,
         *,
         system: str | None = None,
-    ) -> Generation:
-        """Continue a conversation ([{"role": "user", "content": ...}, ...]) as the assistant."""
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
+    ) -> Generation | ToolGeneration:
+        """Continue a conversation ([{"role": "user", "content": ...}, ...]) as the assistant.
+
+        `tools` (OpenAI's function tools): the model may call them; its calls, in its own format,
+        arrive as ToolCallEvent and in `done.tool_calls` (finish reason "tool_calls").
+        `tool_choice`: "auto", "none", "required" or {"type": "function", "function": {"name": ...}};
+        the last two are enforced by a grammar, so the arguments always match the function's schema."""
         self._check_open()
         msgs = self._messages(messages)
         if system is not None and not isinstance(system, str):
             raise InvalidOptionError(f"system must be a string, got {type(system).__name__}")
         if system is not None and not (msgs and msgs[0].get("role") == "system"):
             msgs.insert(0, {"role": "system", "content": system})
-        return self._start(self.chat_tokens(msgs), options)
+        return self._with_tools(msgs, options, tools, tool_choice, parallel_tool_calls, self._start)
 
     def prepare_speculation(
         self,

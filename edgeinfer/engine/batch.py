@@ -42,6 +42,7 @@ from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
 from .request import RequestState
 from .scheduler import Scheduler
+from .tools import ToolGeneration
 from .speculation.calibration import IdleCalibration
 from .speculation.policy import CostModel, plan_drafts
 
@@ -386,9 +387,13 @@ class BatchEngine(ModelFace):
         self._check_open()
         return self.submit(self._prompt_ids(prompt), options, **kw)
 
-    def chat(self, messages: Sequence[Message], options: GenerateOptions | None = None, **kw: Any) -> BatchGeneration:
-        """Continue a conversation as the assistant, with the model's own template."""
-        return self.submit(self.chat_tokens(messages), options, **kw)
+    def chat(self, messages: Sequence[Message], options: GenerateOptions | None = None, *,
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
+             parallel_tool_calls: bool = True, **kw: Any) -> BatchGeneration | ToolGeneration:
+        """Continue a conversation as the assistant, with the model's own template (`tools`: as
+        Engine.chat; keyword arguments: as submit)."""
+        return self._with_tools(messages, options, tools, tool_choice, parallel_tool_calls,
+                                lambda tokens, opts: self.submit(tokens, opts, **kw))
 
     def check_request(self, tokens: Sequence[int], options: GenerateOptions | None = None) -> GenerateOptions:
         options = super().check_request(tokens, options)

@@ -12,11 +12,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import ContextLengthError, EngineClosedError, InvalidOptionError
 from ..gguf_file import GGUFInfo
 from ..store import ModelManifest, Store
 from .embedding import Embedder, EmbeddingResult, EmbedOptions
+from .tools import ToolSetup, tool_request
 from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions
@@ -127,16 +129,34 @@ class ModelFace:
             tokenize=lambda text, parse_special: rt.tokenize(text, False, parse_special),
         )
 
-    def render_chat(self, messages: Sequence[Message]) -> str:
+    def render_chat(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         self._check_open()
         vocab = self._vocab()
         return render_chat(self.chat_template, self._messages(messages), vocab.bos_text, vocab.eos_text,
-                           name=self.name)
+                           name=self.name, tools=tools)
 
-    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
-        """The prompt tokens of a conversation, rendered with the model's own chat template."""
+    def chat_tokens(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The prompt tokens of a conversation, rendered with the model's own chat template (its
+        `tools` variable, or a Hermes-style block where it has none: engine/chat.py)."""
         self._check_open()
-        return chat_tokens(self.chat_template, self._messages(messages), self._vocab(), name=self.name)
+        return chat_tokens(self.chat_template, self._messages(messages), self._vocab(), name=self.name, tools=tools)
+
+    def tool_setup(self, tools: Any, tool_choice: Any = "auto", parallel_tool_calls: bool = True) -> ToolSetup:
+        """What a chat request with `tools` needs on this model: the tools to render, the grammar
+        (`required`, a named function, or lazy at the call marker for `auto`) and the parser of the
+        model's own call format (engine/tools.py)."""
+        self._check_open()
+        return tool_request(self.chat_template, tools, tool_choice, parallel_tool_calls,
+                            tokenize=self._vocab().tokenize)
+
+    def _with_tools(self, messages: Sequence[Message], options: GenerateOptions | None, tools: Any, tool_choice: Any,
+                    parallel_tool_calls: bool, start: Callable[[list[int], GenerateOptions | None], Any]) -> Any:
+        """Start a chat request (with `start(tokens, options)`), its events parsed into tool calls
+        when tools are offered."""
+        if tools is None and tool_choice == "auto":
+            return start(self.chat_tokens(messages), options)
+        setup = self.tool_setup(tools, tool_choice, parallel_tool_calls)
+        return setup.wrap(start(self.chat_tokens(messages, tools=setup.render_tools), setup.options(options)))
 
     # -- embeddings ----------------------------------------------------------------------------
     def embed(self, items: str | Sequence[str | Sequence[int]], options: EmbedOptions | None = None, *,
