@@ -30,12 +30,8 @@ import pytest
 
 import edgeinfer
 from edgeinfer import GenerateOptions, InvalidOptionError, SamplingOptions
-from edgeinfer.engine.grammar import (
-    MAX_SCHEMA_BYTES,
-    Grammar,
-    check_gbnf,
-    json_schema_to_grammar,
-)
+from edgeinfer.engine.grammar import Grammar, check_gbnf
+from edgeinfer.engine.json_schema import MAX_SCHEMA_BYTES, json_schema_to_grammar
 from edgeinfer.engine.sampler import LLAMA_DEFAULT_SEED, Sampler, llama_seed
 
 P_MIN = 1e-3  # χ² p-value below which a fit is rejected (each test has a case that must fail it)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..errors import InvalidOptionError
-from .grammar import Grammar, json_schema_to_grammar
+from .grammar import Grammar
+from .json_schema import json_schema_to_grammar
 from ..cpu import usable_cores
 from ..llama_backend import env_threads, max_threads, threads_out_of_range
 from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type

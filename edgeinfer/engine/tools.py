@@ -55,7 +55,8 @@ from typing import Any, Literal
 from ..errors import InvalidOptionError
 from .chat import template_supports_tools
 from .events import DoneEvent, Event, TokenEvent, ToolCall, ToolCallEvent
-from .grammar import Grammar, json_schema_to_grammar
+from .grammar import Grammar
+from .json_schema import json_schema_to_grammar
 from .options import GenerateOptions
 
 __all__ = [
