@@ -27,6 +27,7 @@ from .engine.events import (
 )
 from .engine.grammar import Grammar
 from .engine.json_schema import json_schema_to_grammar
+from .engine.session import RestoreResult, SessionInfo
 from .engine.options import (
     DEFAULT_GENERATE,
     DEFAULT_LOAD,
@@ -100,6 +101,9 @@ __all__ = [
     "SpeculationStats",
     "SpeculationProgress",
     "PrefillProgress",
+    # saved conversations (engine.save_session / restore_session, BatchEngine.save_slot / restore_slot)
+    "SessionInfo",
+    "RestoreResult",
     # embeddings (engine.embed)
     "EmbedOptions",
     "EmbeddingResult",

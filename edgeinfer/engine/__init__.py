@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -36,6 +37,7 @@ from .generation import Generation
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
 from .scheduler import Scheduler
+from .session import RestoreResult, SessionInfo, conversation_tokens, face_identity
 from .slot import RequestSlot
 from .tools import ToolGeneration
 from .speculation import CostModel, measure_costs
@@ -229,6 +231,36 @@ class Engine(ModelFace):
         self._check_open()
         with self._slot.hold():
             self._scheduler.slots[0].seq.clear()
+
+    # -- saved conversations (engine/session.py) -------------------------------------------------
+    def save_session(self, path: str | os.PathLike[str],
+                     conversation: Sequence[Message] | Sequence[int] | None = None) -> SessionInfo:
+        """Save what the KV cache holds (its tokens and their keys and values) to `path`, so that an
+        engine on the same model file and KV-cache types can go on without reading them again
+        (`restore_session`, e.g. after the app restarted). `conversation`: the messages (as given
+        to `chat`) or token ids the state is for; the cache is first cut to the prefix it shares
+        with them, which is what their next turn reuses. Waits for a running generation; a file
+        that already holds exactly this state is kept (SessionInfo.written False). Raises
+        StoreError / DiskSpaceError when the file cannot be written."""
+        self._check_open()
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)  # the model's hash: outside the lock (the first one reads the file)
+        with self._slot.hold():
+            return self._scheduler.slots[0].seq.save(path, identity, keep)
+
+    def restore_session(self, path: str | os.PathLike[str],
+                        conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:
+        """Load the KV state saved at `path`, if it was saved with this model file and these KV-cache
+        types and every check of the file passes; the next request then reads only what follows
+        the saved tokens. `conversation`: the messages or token ids being resumed, which the saved
+        tokens must begin. A state that does not match, or a damaged file, is not loaded: one
+        warning in the log and a false RestoreResult saying why (the cache is left as it was).
+        Waits for a running generation."""
+        self._check_open()
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)
+        with self._slot.hold():
+            return self._scheduler.slots[0].seq.load(path, identity, keep)
 
     # -- evaluation ------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:

@@ -22,7 +22,9 @@ first requests use the prior or an earlier measurement and none waits for a cali
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextLengthError, EdgeInferError, EngineClosedError, InvalidOptionError
+from ..errors import ContextLengthError, EdgeInferError, EngineBusyError, EngineClosedError, InvalidOptionError
 from ..gguf_file import GGUFInfo
 from ..store import ModelManifest, Store
 from ..validate import admit
@@ -42,6 +44,8 @@ from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
 from .request import RequestState
 from .scheduler import Scheduler
+from .sequence import KVSequence
+from .session import RestoreResult, SessionInfo, conversation_tokens, face_identity
 from .tools import ToolGeneration
 from .speculation.calibration import IdleCalibration
 from .speculation.policy import CostModel, plan_drafts
@@ -307,6 +311,7 @@ class BatchEngine(ModelFace):
         self._calibration = IdleCalibration(rt, n, costs, self._core.cells) if calibrate else None
         self._cond = threading.Condition()
         self._inbox: collections.deque[RequestState] = collections.deque()
+        self._slot_calls: list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]] = []
         self._submitted = 0
         self._closing = False
         self._closed = False
@@ -473,6 +478,72 @@ class BatchEngine(ModelFace):
         out = {int(k): v for k, v in costs.to_dict().items() if k.isdigit()}
         return out if len(out) > 1 else {}
 
+    # -- saved slots (engine/session.py) ---------------------------------------------------------
+    def save_slot(self, slot: int, path: str | os.PathLike[str],
+                  conversation: Sequence[Message] | Sequence[int] | None = None) -> SessionInfo:
+        """Save slot `slot`'s KV cache to `path` (as Engine.save_session), on the scheduler thread
+        between two steps. EngineBusyError while a request runs on the slot."""
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)
+        return self._on_idle_slot(slot, lambda seq: seq.save(path, identity, keep))
+
+    def restore_slot(self, slot: int, path: str | os.PathLike[str],
+                     conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:
+        """Load the state saved at `path` into slot `slot` when every check passes (as
+        Engine.restore_session: a refusal is a log line and a false result). EngineBusyError while a
+        request runs on the slot."""
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)
+        return self._on_idle_slot(slot, lambda seq: seq.load(path, identity, keep))
+
+    def erase_slot(self, slot: int) -> int:
+        """Empty slot `slot`'s KV cache; returns how many tokens it held. EngineBusyError while a
+        request runs on the slot."""
+
+        def erase(seq: KVSequence) -> int:
+            n = len(seq)
+            seq.clear()
+            return n
+
+        return self._on_idle_slot(slot, erase)
+
+    def _on_idle_slot(self, slot: int, fn: Callable[[KVSequence], Any]) -> Any:
+        """Run fn(the slot's sequence) on the scheduler thread between two steps and return its
+        result (or raise its error); EngineBusyError when a request holds the slot then."""
+        self._check_open()
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.parallel:
+            raise InvalidOptionError(f"slot must be an integer in [0, {self.parallel - 1}], got {slot!r}")
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._closing or self._closed or self._dead is not None:
+                raise EngineClosedError("this engine is shutting down")
+            self._slot_calls.append((slot, fn, future))
+            if self._calibration is not None and self._calibration.armed:
+                self._calibration.interrupt()
+            self._cond.notify_all()
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive() and not future.done():
+                    raise EngineClosedError("the engine's scheduler stopped before the slot was free") from None
+
+    def _take_slot_calls(self) -> list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]]:
+        calls, self._slot_calls = self._slot_calls, []  # holds self._cond
+        return calls
+
+    def _run_slot_calls(self, calls: list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]]) -> None:
+        """On the scheduler thread, between steps: each call on its slot, unless a request holds it."""
+        for index, fn, future in calls:
+            slot = self._core.slots[index]
+            if slot.request is not None:
+                future.set_exception(EngineBusyError(f"slot {index} is busy with a request"))
+                continue
+            try:
+                future.set_result(fn(slot.seq))
+            except BaseException as e:  # noqa: BLE001 - the caller gets it; the scheduler goes on
+                future.set_exception(e)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self, grace: float = 0.0) -> None:
         """Stop accepting requests; let running ones finish for up to `grace` seconds, cancel
@@ -518,7 +589,10 @@ class BatchEngine(ModelFace):
                 with self._cond:
                     while self._inbox:
                         core.submit(self._inbox.popleft())
-                    if not core.has_work():
+                    calls = self._take_slot_calls()
+                    if calls:
+                        calibrate = False
+                    elif not core.has_work():
                         if self._closing and not self._busy():
                             return
                         if self._calibration is not None and not self._closing and self._calibration.pending():
@@ -528,6 +602,9 @@ class BatchEngine(ModelFace):
                             continue
                     else:
                         calibrate = False
+                if calls:
+                    self._run_slot_calls(calls)
+                    continue
                 if calibrate:
                     self._calibrate_once()
                     continue

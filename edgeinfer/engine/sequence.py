@@ -7,12 +7,17 @@ too, and evaluation uses sequence 0 of an engine's context through the same clas
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import SpeculationError
 from .llama import DecodeRows, LlamaRuntime
+
+if TYPE_CHECKING:
+    from .session import RestoreResult, SessionIdentity, SessionInfo
 
 __all__ = ["KVSequence", "common_prefix"]
 
@@ -98,3 +103,22 @@ class KVSequence:
     def committed(self, tokens: Sequence[int]) -> None:
         """Record tokens that a shared batch (built with `rows`) has just written."""
         self.cached.extend(tokens)
+
+    # -- saved state (engine/session.py) -----------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], identity: SessionIdentity,
+             keep: Sequence[int] | None = None) -> SessionInfo:
+        """Write this sequence's KV state and tokens to `path` (a temporary name, renamed when
+        complete), tied to `identity` (model hash, KV types); `keep`: cut the sequence to the prefix
+        it shares with these tokens first. The caller holds the context."""
+        from .session import save_sequence
+
+        return save_sequence(self, path, identity, keep)
+
+    def load(self, path: str | os.PathLike[str], identity: SessionIdentity,
+             conversation: Sequence[int] | None = None) -> RestoreResult:
+        """Replace this sequence with the state saved at `path` when every check passes (else a
+        log line and a false result, the sequence unchanged); `cached` is set only on success.
+        `conversation`: tokens the saved ones must be a prefix of. The caller holds the context."""
+        from .session import restore_sequence
+
+        return restore_sequence(self, path, identity, conversation)
