@@ -293,8 +293,7 @@ class BatchEngine(ModelFace):
         self.batch_options = (batch or BatchOptions()).validate()
         self.store = store or Store()
         n = self.batch_options.parallel
-        # One more sequence than slots: the idle calibration decodes there, away from every slot's cache.
-        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n + 1)
+        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n)
         rt = self._runtime
         if rt.n_ctx // n < 16:
             rt.close()
@@ -308,7 +307,7 @@ class BatchEngine(ModelFace):
                                draft_max_rows=self.batch_options.draft_max, max_backlog=self.batch_options.max_backlog,
                                prefill_chunk=self.batch_options.prefill_chunk)
         calibrate = self.batch_options.calibrate_when_idle and given is None and IdleCalibration.needed(costs, rt.n_batch)
-        self._calibration = IdleCalibration(rt, n, costs, self._core.cells) if calibrate else None
+        self._calibration = IdleCalibration(costs, self._core.idle_sequence) if calibrate else None
         self._cond = threading.Condition()
         self._inbox: collections.deque[RequestState] = collections.deque()
         self._slot_calls: list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]] = []

@@ -124,14 +124,17 @@ class ModelFacts:
 class LlamaRuntime:
     """One model, one context, one reusable batch; no per-sequence state (engine/sequence.py).
 
-    With n_seq_max > 1 the context holds that many sequences in one unified KV cache (any mix of
-    sequences decodes as one ubatch)."""
+    With n_seq_max > 1 the context holds that many sequences, each in a KV stream of its own of
+    n_ctx / n_seq_max cells (llama-server's default): a row attends over its own sequence's cells
+    only, where one unified cache makes every row attend over all of them (four 500-token prompts
+    prefilled together: 4x the attention). Any mix of sequences still decodes as one ubatch."""
 
     def __init__(self, path: Path, options: LoadOptions, n_seq_max: int = 1):
         ll = backend()
         self._ll = ll
         self.path = path
         self.options = options
+        self.n_seq_max = n_seq_max
         self.model = self.ctx = self.batch = None
         # Unpinned threads follow the cores that other processes leave free (edgeinfer.cpu).
         self._governor = ThreadGovernor(self._set_threads) if options.pinned_threads is None else None
@@ -173,7 +176,7 @@ class LlamaRuntime:
                 n_batch=self.n_batch,
                 n_ubatch=self.n_batch,
                 n_seq_max=n_seq_max,
-                kv_unified=n_seq_max > 1,
+                kv_unified=False,
                 n_threads=self.threads,
                 n_threads_batch=self.threads,
                 type_k=KV_CACHE_TYPES[kv_k].ggml_type,

@@ -96,9 +96,18 @@ class Scheduler:
     def submit(self, req: RequestState) -> None:
         self.waiting.append(req)
 
-    def cells(self) -> int:
-        """KV cells the slots' caches hold (with one unified cache, every row attends over them)."""
-        return sum(len(s.seq) for s in self.slots)
+    def depth(self) -> int:
+        """The context a step's rows attend over: the mean length of the running requests'
+        sequences (each sequence has a KV stream of its own)."""
+        lengths = [len(r.seq) for r in self.active if r.seq is not None]
+        return sum(lengths) // len(lengths) if lengths else 0
+
+    def idle_sequence(self) -> KVSequence | None:
+        """The sequence of the free slot whose cache matters least (the shortest), while nothing
+        runs: what the idle calibration may empty and decode on."""
+        if self.active or self.waiting:
+            return None
+        return min(self.slots, key=lambda s: len(s.seq)).seq
 
     def _pause_slow_readers(self) -> None:
         if self.max_backlog is not None:
@@ -129,8 +138,8 @@ class Scheduler:
         if not decoding and not prefilling:
             return False
         rt = self.runtime
-        cells = self.cells()
-        self.costs.at(cells)
+        depth = self.depth()
+        self.costs.at(depth)
         chunks = self._prefill_chunks(prefilling, len(decoding))
         proposals = self._plan(decoding, len(decoding) + sum(n for _, n in chunks))
 
@@ -182,7 +191,7 @@ class Scheduler:
             if r.speculation is not None and not r.prefilling and r in self.active:
                 self._isolated(r, r.speculation.start, r.seq, r.seq.seq_id)  # type: ignore[union-attr]
         n_drafted = sum(len(d) for d in drafts)
-        self.costs.observe(len(rows), t_decode if chunks else step_s, depth=cells,
+        self.costs.observe(len(rows), t_decode if chunks else step_s, depth=depth,
                            plain=n_drafted == 0 and not chunks, prefill=bool(chunks))
         for r, d, p, n_ok in zip(decoding, drafts, proposals, kept):
             if r.speculation is not None and r in self.active:

@@ -87,18 +87,18 @@ _IDLE_REPS = 2  # each size twice, the faster kept: other load only ever slows a
 
 
 class IdleCalibration:
-    """A server's cost curve, measured while no request runs: one decode at a time, on a sequence
-    no slot uses, interruptible at once (the runtime's abort callback) when a request arrives.
-    The results go into the live CostModel (`adopt`) when every size has been timed."""
+    """A server's cost curve, measured while no request runs: one decode at a time, on the idle
+    slot whose cache matters least (`sequence()`: emptied first; the slot keeps no prefix for the
+    next request then), interruptible at once (the runtime's abort callback) when a request
+    arrives. The results go into the live CostModel (`adopt`) when every size has been timed."""
 
-    def __init__(self, runtime: LlamaRuntime, seq_id: int, costs: CostModel, cells: Callable[[], int]):
-        self.seq = KVSequence(runtime, seq_id)
+    def __init__(self, costs: CostModel, sequence: Callable[[], KVSequence | None]):
         self.costs = costs
-        self.cells = cells  # cells the slots' caches hold now (every row attends over them)
-        sizes = [b for b in IDLE_SIZES if b <= runtime.n_batch]
+        self.sequence = sequence
+        self.seq: KVSequence | None = None
+        sizes = [b for b in IDLE_SIZES]
         self.todo = [b for _ in range(_IDLE_REPS) for b in sizes]
         self.best: dict[int, float] = {}
-        self.depth = 0
         self.armed = False  # a decode is under way: a submit should abort it
 
     @staticmethod
@@ -109,22 +109,27 @@ class IdleCalibration:
         return bool(self.todo)
 
     def interrupt(self) -> None:
-        self.seq.runtime.abort_flag.set()
+        if self.seq is not None:
+            self.seq.runtime.abort_flag.set()
 
     def step(self, stop: Callable[[], bool]) -> None:
         """Time the next size (unless `stop()` says a request is waiting)."""
-        rt = self.seq.runtime
+        seq = self.seq = self.sequence()
+        if seq is None:
+            return
+        rt = seq.runtime
         rt.abort_flag.clear()
+        self.todo = [b for b in self.todo if b <= min(rt.n_batch, rt.n_ctx // rt.n_seq_max - 1)]
         if stop() or not self.todo:
             return
         b = self.todo[0]
         n_vocab = rt.facts.n_vocab
         tokens = [(7919 * i + 13) % n_vocab for i in range(b)]
-        self.depth = self.cells()
+        seq.clear()
         t0 = time.perf_counter()
         try:
             with rt.abortable():
-                self.seq.decode(tokens, logits_from=0)
+                seq.decode(tokens, logits_from=0)
         except DecodeAborted:
             return  # a request came: this size is timed again later
         except ContextLengthError:
@@ -133,11 +138,11 @@ class IdleCalibration:
         finally:
             rt.abort_flag.clear()
         seconds = time.perf_counter() - t0
-        self.seq.clear()
+        seq.clear()
         self.todo.pop(0)
         self.best[b] = min(self.best.get(b, float("inf")), seconds)
         if not self.todo:
-            self.costs.adopt(self.best, depth=self.depth)
+            self.costs.adopt(self.best)
 
     def summary(self) -> str:
         return ", ".join(f"{b}:{t * 1e3:.1f}ms" for b, t in sorted(self.best.items()))

@@ -148,7 +148,7 @@ class DraftContext:
                 break
             t_step = time.perf_counter()
             rt.decode_batch(rows)
-            self.costs.observe(len(rows), time.perf_counter() - t_step, depth=sum(len(s) for s in self.seqs),
+            self.costs.observe(len(rows), time.perf_counter() - t_step, depth=max(len(self.seqs[j.slot]) for j in active),
                                plain=False, prefill=True)
             still = []
             for j, row in zip(active, lasts):
