@@ -37,6 +37,7 @@ from .config import ServerConfig, check_credentials
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
+from .slots import handle_slots
 from .tools import prepare_chat
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
@@ -440,6 +441,7 @@ def create_app(engine: edgeinfer.BatchEngine, config: ServerConfig | None = None
         Route("/v1/models", endpoint("models", service.models), methods=["GET"]),
         Route("/health", endpoint("health", service.health), methods=["GET"]),
         Route("/metrics", endpoint("metrics", service.metrics), methods=["GET"]),
+        Route("/slots/{id_slot}", endpoint("slots", lambda request: handle_slots(service, request)), methods=["POST"]),
     ]
 
     async def not_found(request: Request, exc: Exception) -> Response:
