@@ -5,7 +5,7 @@ chain on the target's logits (test_rejection_sampling.llama_chain_distribution).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from test_rejection_sampling import llama_chain_distribution
 
@@ -13,9 +13,10 @@ from edgeinfer.engine.options import SamplingOptions
 
 
 def sequence_chi_square(engine, prompt: Sequence[int], sampling: SamplingOptions, observed: Counter,
-                        n: int, length: int):
-    """The chi-square result of `observed` (counts of the first `length` tokens over `n` runs)
-    against the exact probabilities, every sequence expected at least 5 times (the rest pooled)."""
+                        n: int, length: int, key: Callable[[tuple[int, ...]], Hashable] = lambda ids: ids):
+    """The chi-square result of `observed` (counts of the first `length` tokens over `n` runs, keyed
+    by `key(token ids)`) against the exact probabilities, every sequence expected at least 5 times
+    (the rest pooled)."""
     from scipy import stats
 
     prompt = list(prompt)
@@ -31,6 +32,7 @@ def sequence_chi_square(engine, prompt: Sequence[int], sampling: SamplingOptions
                 expected[(*prefix, token)] = p * q
             else:
                 frontier.append(((*prefix, token), p * q))
+    expected = {key(ids): p for ids, p in expected.items()}
     keys = sorted(expected)
     assert len(keys) >= 3, f"the prompt's first tokens are not spread enough: {expected}"
     obs = [observed[k] for k in keys] + [n - sum(observed[k] for k in keys)]
