@@ -78,7 +78,7 @@ def _prompts(kind: str, n: int) -> list[str]:
                      "List the facts the passage gives, one per line.", "Explain the passage to a child.",
                      "What questions does the passage leave open?", "Rewrite the passage as a short poem.",
                      "Give the passage a title and explain it.", "Which sentence of the passage matters most?"]
-        return [f"Read this passage twice.\n\n{passage}\n\n{passage}\n\n{questions[i % len(questions)]}"
+        return [f"Read this passage.\n\n{passage}\n\n{questions[i % len(questions)]} Quote the sentences you use."
                 for i in range(n)]
     topics = ["a lighthouse keeper", "a robot who paints", "a lost cat", "the first day of school", "a dragon",
               "a storm at sea", "a city garden", "a train journey"]
@@ -225,6 +225,8 @@ def server_for(row: str, args: argparse.Namespace) -> tuple[str, dict]:
         return f"draft={args.draft}", {"speculation": "draft"}
     if row.startswith("self"):
         return f"self={args.self_quant}", {"speculation": "self"}
+    if row == "off":  # a plain server (its first request is what a user of one waits)
+        return "off", {"speculation": "off"}
     return "lookup", {"speculation": row}
 
 
