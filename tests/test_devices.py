@@ -159,8 +159,9 @@ def test_placement_fields_of_a_cpu_load(default_model_path):
 @pytest.mark.skipif("_has_local_gpu()", reason="this build has a GPU backend: the CPU-only answers do not apply")
 def test_cpu_only_build_says_so_and_runs_on_the_cpu(default_model_path, capsys):
     assert not devices.build_info().local_gpus
-    with edgeinfer.load(default_model_path, n_threads=1) as _engine:  # auto
+    with edgeinfer.load(default_model_path, n_threads=1) as engine:  # auto
         assert devices.last_placement(default_model_path).n_gpu_layers == 0
+        assert engine.backend == "CPU"
     code = main(["run", "--gpu-layers", "10", "-n", "4", "--temperature", "0", "--threads", "1", "Hi"])
     captured = capsys.readouterr()
     assert code == 0 and captured.out.strip()

@@ -178,6 +178,7 @@ def test_split_three_ways_gives_the_local_greedy_output(workers, default_model_p
     with edgeinfer.load(default_model_path, n_threads=1, rpc=eps, tensor_split=split) as engine:
         placement = last_placement(default_model_path)
         assert [p.n_layers for p in placement.parts] == expect
+        assert engine.backend == placement.summary() and ("RPC" in engine.backend) == any(expect[1:])
         prompt, tokens = _greedy(engine)
         ref_prompt, reference = local_greedy
         assert prompt == ref_prompt

@@ -140,6 +140,7 @@ class Engine(ModelFace):
         self.store = store or Store()
         self._closed = False
         self._runtime = LlamaRuntime(self.path, options)
+        self._note_placement()
         self._slot = RequestSlot(self._runtime)
         self._drafts = DraftModels(TargetModel(self.name, self.path, info, manifest, self.store, options),
                                    self._runtime)

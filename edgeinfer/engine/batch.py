@@ -153,6 +153,7 @@ class BatchEngine(ModelFace):
         self.store = store or Store()
         n = self.batch_options.parallel
         self._runtime = LlamaRuntime(self.path, options, n_seq_max=n)
+        self._note_placement()
         rt = self._runtime
         if rt.n_ctx // n < 16:
             rt.close()

@@ -19,6 +19,7 @@ from ..gguf_file import GGUFInfo
 from ..store import ModelManifest, Store
 from .embedding import Embedder, EmbeddingResult, EmbedOptions
 from .tools import ToolSetup, tool_request
+from ..devices import last_placement
 from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions
@@ -73,6 +74,17 @@ class ModelFace:
 
     def _slots_count(self) -> int:
         return 1
+
+    @property
+    def backend(self) -> str:
+        """Where the model's layers run, in one line: "CPU", or the GPUs and RPC workers holding how
+        many layers (edgeinfer.devices; what `bench` and the chat's stats show)."""
+        placement = getattr(self, "_placement", None)
+        return placement.summary() if placement is not None else "CPU"
+
+    def _note_placement(self) -> None:
+        """Right after the load: its placement (devices records each load's, by file)."""
+        self._placement = last_placement(self.path)
 
     @property
     def closed(self) -> bool:
