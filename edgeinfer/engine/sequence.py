@@ -112,7 +112,9 @@ class KVSequence:
         it shares with these tokens first. The caller holds the context."""
         from .session import save_sequence
 
-        return save_sequence(self, path, identity, keep)
+        if keep is not None:  # nothing a continuation of `keep` could not reuse
+            self.truncate(common_prefix(self.cached, keep))
+        return save_sequence(self, path, identity)
 
     def load(self, path: str | os.PathLike[str], identity: SessionIdentity,
              conversation: Sequence[int] | None = None) -> RestoreResult:

@@ -17,12 +17,12 @@ Restoring trusts nothing in the file. Every size is bounded before anything is a
 trailer must name this model (by content hash), these cache types and a token count that fits the
 slot, the llama.cpp part must have exactly the size its token count implies for this context's
 layout, its sha256 must match, and then every field llama.cpp will read is checked as llama.cpp
-would want it: one stream, cells at positions 0..n-1 of one sequence, the same layers, types and
-row sizes as this context's own cache (learned once per context from a state of its own). Only
-then does llama.cpp see the bytes, and it sees exactly the bytes that were checked: they are read
-once into memory and handed over with `llama_state_seq_set_data` (no second read of a file that
-could change in between), re-framed for this context's number of KV streams, so a state saved on
-one engine face restores on the other. A refused state is one log line and no change to the
+would want it (edgeinfer/kv_state.py): one stream, cells at positions 0..n-1 of one sequence, the
+same layers, types and row sizes as this context's own cache (learned once per context from a
+state of its own). Only then does llama.cpp see the bytes, and it sees exactly the bytes that were
+checked: they are read once into memory and handed over with `llama_state_seq_set_data` (no second
+read of a file that could change in between), re-framed for this context's number of KV streams,
+so a state saved on one engine face restores on the other. A refused state is one log line and no change to the
 cache. The hash catches corruption and truncation, not a forger who recomputes it: a forged file
 can only make replies wrong, never crash the process (its structure is checked, its numbers are
 just K/V values).
@@ -45,18 +45,19 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..errors import DiskSpaceError, InvalidOptionError, StoreError
 from ..fsutil import atomic_path, ensure_free_space, sha256_file
+from ..kv_state import GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC, MAX_STREAMS, StateLayout, StateRefused, learn_layout, \
+    parse_state
 from ..llama_backend import backend
 
 if TYPE_CHECKING:
     from ..store import ModelManifest, Store
     from .llama import LlamaRuntime
-    from .sequence import KVSequence
 
 __all__ = [
     "SessionIdentity",
@@ -79,13 +80,6 @@ MAX_TRAILER = 64 << 10
 FORMAT = "edgeinfer-kv-state"
 VERSION = 1
 
-_GGSQ_MAGIC = 0x67677371  # LLAMA_STATE_SEQ_MAGIC ("ggsq")
-_GGSQ_VERSION = 3  # LLAMA_STATE_SEQ_VERSION of the pinned llama.cpp
-_IO_MAGIC = 0xAF143CD8  # what llama_state_seq_get_data writes first (llama-context.cpp io_magic)
-_MAX_LAYERS = 512
-_MAX_STREAMS = 1024
-_MAX_ROW = 1 << 28  # bytes of one cell's K (or V) row in one layer
-_GGML_TYPE_COUNT = 64  # a bound on ggml type ids (the pinned ggml has fewer)
 _TAIL = struct.Struct("<I8s")
 
 
@@ -134,8 +128,17 @@ class RestoreResult:
         return self.restored
 
 
-class _Refused(Exception):
-    """A state that must not be loaded; its message is the reason (one line)."""
+class SequenceLike(Protocol):
+    """What this module needs of a sequence (engine/sequence.py's KVSequence, which calls it)."""
+
+    runtime: LlamaRuntime
+    seq_id: int
+    cached: list[int]
+    saved_logits: Any
+
+    def clear(self) -> None: ...
+
+    def decode(self, tokens: Sequence[int], logits_from: int | None = None) -> int: ...
 
 
 # -- the model file's hash ------------------------------------------------------------------------
@@ -176,157 +179,7 @@ def model_sha256(path: Path, manifest: ModelManifest | None = None, store: Store
     return sha
 
 
-# -- the layout of a context's KV state -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What llama.cpp writes for one sequence of a context (llama-kv-cache.cpp state_write):
-    its KV streams, whether cells carry an extension (M-RoPE, PLE), whether V is transposed (no
-    flash attention), and per layer (ggml type, bytes per cell row) of K and of V (transposed V:
-    (type, bytes per element, rows))."""
-
-    n_stream: int
-    cell_ext: bool
-    v_trans: bool
-    k: tuple[tuple[int, int], ...]
-    v: tuple[tuple[int, int, int], ...]
-
-    @property
-    def cell_bytes(self) -> int:
-        return 12 + (12 if self.cell_ext else 0)  # pos, n_seq_id, [x, y, tok], one seq id
-
-    def payload(self, n: int) -> int:
-        """Bytes of a stream holding n cells, after its cell count."""
-        size = n * self.cell_bytes + 8 + sum(12 + n * row for _, row in self.k)
-        if self.v_trans:
-            return size + sum(12 + n * el * rows for _, el, rows in self.v)
-        return size + sum(12 + n * row for _, row, _ in self.v)
-
-    def describe(self) -> dict[str, Any]:
-        return {"streams": self.n_stream, "v_transposed": self.v_trans, "layers": len(self.k),
-                "k_types": sorted({t for t, _ in self.k}), "v_types": sorted({t for t, _, _ in self.v})}
-
-
-class _Reader:
-    """Bounded little-endian reads from a buffer; running past `end` is a refusal."""
-
-    def __init__(self, buf: memoryview, start: int, end: int):
-        self.buf, self.pos, self.end = buf, start, end
-
-    def take(self, n: int) -> int:
-        if n < 0 or self.pos + n > self.end:
-            raise _Refused("the state ends early (truncated or malformed)")
-        at = self.pos
-        self.pos += n
-        return at
-
-    def u32(self) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4))[0]
-
-    def i32(self) -> int:
-        return struct.unpack_from("<i", self.buf, self.take(4))[0]
-
-    def u64(self) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8))[0]
-
-
-def _check_cells(r: _Reader, n: int, ext: bool, tokens: Sequence[int] | None) -> None:
-    """n cells of one sequence at positions 0..n-1 (llama.cpp discards the saved seq id)."""
-    width = 6 if ext else 3
-    at = r.take(4 * width * n)
-    cells = np.frombuffer(r.buf, dtype="<i4", count=width * n, offset=at).reshape(n, width)
-    if not np.array_equal(cells[:, 0], np.arange(n, dtype=np.int32)):
-        raise _Refused("the state's cells are not positions 0..n-1 of one sequence")
-    if not np.all(cells[:, 1] == 1):
-        raise _Refused("a cell of the state belongs to more than one sequence")
-    if np.any(cells[:, -1] < 0):
-        raise _Refused("a cell of the state has a negative sequence id")
-    if ext:
-        if np.any(cells[:, 2:4] < 0):
-            raise _Refused("a cell of the state has a negative 2-D position")
-        if tokens is not None and not np.array_equal(cells[:, 4], np.asarray(tokens, dtype=np.int32)):
-            raise _Refused("the state's cells hold other tokens than its token list")
-
-
-def _read_layers(r: _Reader, n: int, expected: _Layout | None) -> tuple[bool, tuple, tuple]:
-    v_trans = r.u32()
-    n_layer = r.u32()
-    if v_trans > 1 or not 1 <= n_layer <= _MAX_LAYERS:
-        raise _Refused(f"the state's layer header is malformed (v_trans {v_trans}, {n_layer} layers)")
-    if expected is not None and (bool(v_trans) != expected.v_trans or n_layer != len(expected.k)):
-        raise _Refused(f"the state has {n_layer} layers{' with V transposed' if v_trans else ''}, this context "
-                       f"{len(expected.k)}{' with V transposed' if expected.v_trans else ''} (other flash-attention "
-                       "setting or model)")
-    k = []
-    for il in range(n_layer):
-        t, row = r.i32(), r.u64()
-        if not 0 <= t < _GGML_TYPE_COUNT or not 0 < row <= _MAX_ROW:
-            raise _Refused(f"layer {il}: malformed K header (type {t}, row {row} bytes)")
-        if expected is not None and (t, row) != expected.k[il]:
-            raise _Refused(f"layer {il}: K cache type {t} with {row}-byte rows, this context has type "
-                           f"{expected.k[il][0]} with {expected.k[il][1]} (other KV cache type or model)")
-        r.take(n * row)
-        k.append((t, row))
-    v = []
-    for il in range(n_layer):
-        if v_trans:
-            t, el, rows = r.i32(), r.u32(), r.u32()
-            ok = 0 <= t < _GGML_TYPE_COUNT and 0 < el <= 64 and 0 < rows <= (1 << 20)
-            entry = (t, el, rows)
-            size = n * el * rows
-        else:
-            t, row = r.i32(), r.u64()
-            ok = 0 <= t < _GGML_TYPE_COUNT and 0 < row <= _MAX_ROW
-            entry = (t, row, 0)
-            size = n * row
-        if not ok:
-            raise _Refused(f"layer {il}: malformed V header {entry}")
-        if expected is not None and entry != expected.v[il]:
-            raise _Refused(f"layer {il}: V cache {entry}, this context has {expected.v[il]} "
-                           "(other KV cache type or model)")
-        r.take(size)
-        v.append(entry)
-    return bool(v_trans), tuple(k), tuple(v)
-
-
-@dataclass(frozen=True)
-class _State:
-    layout: _Layout
-    stream: int  # which stream holds the cells (-1: none, an empty state)
-    payload_at: int  # offset of that stream's payload (after its cell count)
-    payload_len: int
-
-
-def _parse_state(buf: memoryview, start: int, end: int, n: int, *, ext: bool,
-                 expected: _Layout | None = None, tokens: Sequence[int] | None = None) -> _State:
-    """The state section of one sequence: [u32 n_stream] then per stream [u32 cells][payload]."""
-    r = _Reader(buf, start, end)
-    n_stream = r.u32()
-    if not 1 <= n_stream <= _MAX_STREAMS:
-        raise _Refused(f"the state has {n_stream} KV streams")
-    found: _State | None = None
-    for s in range(n_stream):
-        count = r.u32()
-        if count == 0:
-            continue
-        if count != n or found is not None:
-            raise _Refused(f"the state holds {count} cells in stream {s} for {n} tokens")
-        at = r.pos
-        _check_cells(r, n, ext, tokens)
-        v_trans, k, v = _read_layers(r, n, expected)
-        layout = _Layout(n_stream, ext, v_trans, k, v)
-        found = _State(layout, s, at, r.pos - at)
-    if r.pos != end:
-        raise _Refused(f"the state has {end - r.pos} bytes more than its cells take")
-    if found is None:
-        if n:
-            raise _Refused(f"the state holds no cells for its {n} tokens")
-        return _State(_Layout(n_stream, ext, False, (), ()), -1, r.pos, 0)
-    return found
-
-
-_layouts: weakref.WeakKeyDictionary[Any, _Layout] = weakref.WeakKeyDictionary()
+_layouts: weakref.WeakKeyDictionary[Any, StateLayout] = weakref.WeakKeyDictionary()
 _layouts_lock = threading.Lock()
 
 
@@ -339,20 +192,7 @@ def _dump(runtime: LlamaRuntime, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
     return buf
 
 
-def _learn(buf: memoryview, start: int, end: int, n: int) -> _Layout:
-    last: _Refused | None = None
-    for ext in (False, True):
-        try:
-            layout = _parse_state(buf, start, end, n, ext=ext).layout
-            if layout.k:
-                return layout
-        except _Refused as e:
-            last = e
-    raise InvalidOptionError(f"this model's KV memory has a layout edgeinfer cannot save or check ({last}): "
-                             "recurrent, hybrid and sliding-window models are not supported")
-
-
-def _context_layout(seq: KVSequence) -> _Layout:
+def _context_layout(seq: SequenceLike) -> StateLayout:
     """This context's state layout, learned once from a state of its own (a sequence with at least
     one cell: `seq` itself, or one token decoded into it and removed again when it is empty)."""
     rt = seq.runtime
@@ -368,9 +208,9 @@ def _context_layout(seq: KVSequence) -> _Layout:
         buf = _dump(rt, seq.seq_id)
         mv = memoryview(buf).cast("B")
         magic, _ = struct.unpack_from("<Ii", mv, 0)
-        if magic != _IO_MAGIC:
+        if magic != IO_MAGIC:
             raise StoreError("llama.cpp's sequence state starts with an unknown magic")
-        layout = _learn(mv, 8, len(mv), len(seq.cached))
+        layout = learn_layout(mv, 8, len(mv), len(seq.cached))
     finally:
         if probe:
             seq.clear()
@@ -392,52 +232,52 @@ def read_trailer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             return _trailer(f, size)[0]
-    except (OSError, _Refused):
+    except (OSError, StateRefused):
         return None
 
 
 def _trailer(f: Any, size: int) -> tuple[dict[str, Any], int]:
     """(trailer, size of the llama.cpp part) of an open state file of `size` bytes."""
     if size < _TAIL.size + 12:
-        raise _Refused(f"the file is {size} bytes: too short to be a saved state")
+        raise StateRefused(f"the file is {size} bytes: too short to be a saved state")
     f.seek(size - _TAIL.size)
     tail = f.read(_TAIL.size)
     if len(tail) != _TAIL.size:
-        raise _Refused("the file shrank while it was read")
+        raise StateRefused("the file shrank while it was read")
     length, magic = _TAIL.unpack(tail)
     if magic != TRAILER_MAGIC:
-        raise _Refused("not an edgeinfer state file (or truncated: its trailer is missing)")
+        raise StateRefused("not an edgeinfer state file (or truncated: its trailer is missing)")
     if not 2 <= length <= MAX_TRAILER or length > size - _TAIL.size - 12:
-        raise _Refused(f"the trailer claims {length} bytes")
+        raise StateRefused(f"the trailer claims {length} bytes")
     f.seek(size - _TAIL.size - length)
     raw = f.read(length)
     if len(raw) != length:
-        raise _Refused("the file shrank while it was read")
+        raise StateRefused("the file shrank while it was read")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise _Refused("the trailer is not valid JSON") from None
+        raise StateRefused("the trailer is not valid JSON") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise _Refused("the trailer is not a version of this format that edgeinfer reads")
+        raise StateRefused("the trailer is not a version of this format that edgeinfer reads")
     return data, size - _TAIL.size - length
 
 
 def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise _Refused(f"the trailer's {key!r} is missing or malformed")
+        raise StateRefused(f"the trailer's {key!r} is missing or malformed")
     return value
 
 
 def _sha_field(data: Mapping[str, Any], key: str) -> str:
     value = _field(data, key, str)
     if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
-        raise _Refused(f"the trailer's {key!r} is not a sha256")
+        raise StateRefused(f"the trailer's {key!r} is not a sha256")
     return value
 
 
 def _trailer_bytes(identity: SessionIdentity, tokens: Sequence[int], state_bytes: int, state_sha256: str,
-                   layout: _Layout) -> bytes:
+                   layout: StateLayout) -> bytes:
     data = {
         "format": FORMAT,
         "version": VERSION,
@@ -484,7 +324,7 @@ def _unchanged(path: Path, identity: SessionIdentity, tokens: Sequence[int]) -> 
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             data, ggsq = _trailer(f, size)
-    except (OSError, _Refused):
+    except (OSError, StateRefused):
         return None
     if _matches(data, identity) is None and data.get("n_tokens") == len(tokens) \
             and data.get("tokens_sha256") == _tokens_sha256(tokens) and data.get("state_bytes") == ggsq:
@@ -492,25 +332,21 @@ def _unchanged(path: Path, identity: SessionIdentity, tokens: Sequence[int]) -> 
     return None
 
 
-def save_sequence(seq: KVSequence, path: str | os.PathLike[str], identity: SessionIdentity,
-                  keep: Sequence[int] | None = None) -> SessionInfo:
-    """Write `seq`'s KV state to `path` (see the module). `keep`: the tokens the state is for (a
-    conversation's); the sequence is first cut to the prefix it shares with them, so the file holds
-    nothing a continuation of them could not reuse. A file that already holds exactly this state is
-    kept as it is. The caller holds the context (the engine's lock, or the scheduler thread)."""
+def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: SessionIdentity) -> SessionInfo:
+    """Write `seq`'s KV state to `path` (see the module). A file that already holds exactly this
+    state is kept as it is. The caller holds the context (the engine's lock, or the scheduler thread)."""
     t0 = time.perf_counter()
     path = Path(path)
     rt = seq.runtime
     if rt.facts.recurrent:
         raise InvalidOptionError(f"{identity.model_name}: a recurrent or hybrid model's state cannot be saved")
-    if keep is not None:
-        from .sequence import common_prefix
-
-        seq.truncate(common_prefix(seq.cached, keep))
     tokens = list(seq.cached)
     if _unchanged(path, identity, tokens) is not None:
         return SessionInfo(path, len(tokens), path.stat().st_size, time.perf_counter() - t0, written=False)
-    layout = _context_layout(seq) if tokens else None
+    try:
+        layout = _context_layout(seq) if tokens else None
+    except StateRefused as e:  # a memory whose layout is not the one we check (recurrent, SWA)
+        raise InvalidOptionError(f"{identity.model_name}: {e}") from None
     ll = backend()
     need = ll.llama_state_seq_get_size(rt.ctx, seq.seq_id) + 4 * len(tokens) + MAX_TRAILER
     ensure_free_space(path.parent, need, f"the KV state {path.name}")
@@ -526,15 +362,15 @@ def save_sequence(seq: KVSequence, path: str | os.PathLike[str], identity: Sessi
                     try:
                         sha = hashlib.sha256(mv).hexdigest()
                         magic, version, n = struct.unpack_from("<III", mv, 0)
-                        if (magic, version, n) != (_GGSQ_MAGIC, _GGSQ_VERSION, len(tokens)):
+                        if (magic, version, n) != (GGSQ_MAGIC, GGSQ_VERSION, len(tokens)):
                             raise StoreError(f"llama.cpp wrote an unexpected state header to {path}")
                         start = 12 + 4 * n
                         if layout is None:  # an empty sequence: no layout to learn or check
-                            state = _parse_state(mv, start, written, 0, ext=False)
+                            state = parse_state(mv, start, written, 0, ext=False)
                             layout = state.layout
                         else:
-                            _parse_state(mv, start, written, n, ext=layout.cell_ext, expected=layout, tokens=tokens)
-                    except _Refused as e:
+                            parse_state(mv, start, written, n, ext=layout.cell_ext, expected=layout, tokens=tokens)
+                    except StateRefused as e:
                         raise StoreError(f"the KV state llama.cpp wrote does not read back: {e}") from None
                     finally:
                         mv.release()
@@ -558,11 +394,11 @@ def _read_into(f: Any, view: memoryview) -> None:
     while got < len(view):
         n = f.readinto(view[got:])
         if not n:
-            raise _Refused("the file ended while it was being read (truncated meanwhile)")
+            raise StateRefused("the file ended while it was being read (truncated meanwhile)")
         got += n
 
 
-def restore_sequence(seq: KVSequence, path: str | os.PathLike[str], identity: SessionIdentity,
+def restore_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: SessionIdentity,
                      conversation: Sequence[int] | None = None) -> RestoreResult:
     """Load the state saved at `path` into `seq` if, and only if, every check passes (see the
     module); `conversation`: tokens the saved ones must be a prefix of. A refusal is logged (one
@@ -572,7 +408,7 @@ def restore_sequence(seq: KVSequence, path: str | os.PathLike[str], identity: Se
     path = Path(path)
     try:
         result = _restore(seq, path, identity, conversation, t0)
-    except _Refused as e:
+    except StateRefused as e:
         log.warning("%s: saved KV state not loaded: %s", path.name, e)
         return RestoreResult(False, reason=str(e), seconds=time.perf_counter() - t0)
     except OSError as e:
@@ -582,64 +418,64 @@ def restore_sequence(seq: KVSequence, path: str | os.PathLike[str], identity: Se
     return result
 
 
-def _restore(seq: KVSequence, path: Path, identity: SessionIdentity, conversation: Sequence[int] | None,
+def _restore(seq: SequenceLike, path: Path, identity: SessionIdentity, conversation: Sequence[int] | None,
              t0: float) -> RestoreResult:
     rt = seq.runtime
     if rt.facts.recurrent:
-        raise _Refused("this model's memory (recurrent or hybrid) cannot restore a saved state")
+        raise StateRefused("this model's memory (recurrent or hybrid) cannot restore a saved state")
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise _Refused("not a regular file")
+            raise StateRefused("not a regular file")
         size = st.st_size
         data, ggsq = _trailer(f, size)
         why = _matches(data, identity)
         if why is not None:
-            raise _Refused(why)
+            raise StateRefused(why)
         n = _field(data, "n_tokens", int)
         if not 0 <= n < identity.n_ctx:
-            raise _Refused(f"{n} saved tokens do not fit in a sequence of {identity.n_ctx} positions")
+            raise StateRefused(f"{n} saved tokens do not fit in a sequence of {identity.n_ctx} positions")
         if _field(data, "state_bytes", int) != ggsq:
-            raise _Refused("the trailer's size of the state is not the file's (truncated or appended to)")
+            raise StateRefused("the trailer's size of the state is not the file's (truncated or appended to)")
         state_sha = _sha_field(data, "state_sha256")
         tokens_sha = _sha_field(data, "tokens_sha256")
 
         f.seek(0)
         head = f.read(12)
         if len(head) != 12:
-            raise _Refused("the file ends inside its header")
+            raise StateRefused("the file ends inside its header")
         magic, version, n_file = struct.unpack("<III", head)
-        if magic != _GGSQ_MAGIC or version != _GGSQ_VERSION:
-            raise _Refused(f"not a llama.cpp sequence state of version {_GGSQ_VERSION} (magic {magic:#x}, "
+        if magic != GGSQ_MAGIC or version != GGSQ_VERSION:
+            raise StateRefused(f"not a llama.cpp sequence state of version {GGSQ_VERSION} (magic {magic:#x}, "
                            f"version {version})")
         if n_file != n:
-            raise _Refused(f"the state lists {n_file} tokens, its trailer {n}")
+            raise StateRefused(f"the state lists {n_file} tokens, its trailer {n}")
         raw_tokens = f.read(4 * n)
         if len(raw_tokens) != 4 * n:
-            raise _Refused("the file ends inside its token list")
+            raise StateRefused("the file ends inside its token list")
         ids = np.frombuffer(raw_tokens, dtype="<i4")
         if n and (ids.min() < 0 or ids.max() >= rt.facts.n_vocab):
-            raise _Refused("a saved token id is outside this model's vocabulary")
+            raise StateRefused("a saved token id is outside this model's vocabulary")
         tokens = [int(t) for t in ids]
         if _tokens_sha256(tokens) != tokens_sha:
-            raise _Refused("the saved tokens are not the ones its trailer names (tampered)")
+            raise StateRefused("the saved tokens are not the ones its trailer names (tampered)")
         if conversation is not None and list(conversation[:n]) != tokens:
-            raise _Refused("saved for other tokens than this conversation's")
+            raise StateRefused("saved for other tokens than this conversation's")
 
         state_len = ggsq - 12 - 4 * n
         ns_raw = f.read(4)
         if len(ns_raw) != 4:
-            raise _Refused("the file ends before its state")
+            raise StateRefused("the file ends before its state")
         (ns_file,) = struct.unpack("<I", ns_raw)
-        if not 1 <= ns_file <= _MAX_STREAMS:
-            raise _Refused(f"the state has {ns_file} KV streams")
+        if not 1 <= ns_file <= MAX_STREAMS:
+            raise StateRefused(f"the state has {ns_file} KV streams")
         layout = _context_layout(seq) if n else None
         if layout is not None:
             expected = 4 + 4 * ns_file + layout.payload(n)
         else:
             expected = 4 + 4 * ns_file
         if state_len != expected:
-            raise _Refused(f"the state is {state_len} bytes, {expected} expected for {n} tokens in this context "
+            raise StateRefused(f"the state is {state_len} bytes, {expected} expected for {n} tokens in this context "
                            "(truncated, or another layout)")
         # [io magic][seq id][n_stream][count][payload][count 0 ...]: room for either stream count
         n_stream = layout.n_stream if layout is not None else 1
@@ -653,8 +489,8 @@ def _restore(seq: KVSequence, path: Path, identity: SessionIdentity, conversatio
             h.update(raw_tokens)
             h.update(mv[8 : 8 + state_len])
             if h.hexdigest() != state_sha:
-                raise _Refused("its sha256 is not the one saved with it (corrupted or tampered)")
-            state = _parse_state(mv, 8, 8 + state_len, n, ext=layout.cell_ext if layout else False,
+                raise StateRefused("its sha256 is not the one saved with it (corrupted or tampered)")
+            state = parse_state(mv, 8, 8 + state_len, n, ext=layout.cell_ext if layout else False,
                                  expected=layout, tokens=tokens)
             if layout is None:
                 seq.clear()
@@ -662,7 +498,7 @@ def _restore(seq: KVSequence, path: Path, identity: SessionIdentity, conversatio
             # Re-frame for this context: its stream count, the cells in the first stream (llama.cpp
             # restores them into the destination sequence's own stream whichever stream they came from).
             ctypes.memmove(ctypes.addressof(buf) + 16, ctypes.addressof(buf) + state.payload_at, state.payload_len)
-            struct.pack_into("<IiII", mv, 0, _IO_MAGIC, seq.seq_id, n_stream, n)
+            struct.pack_into("<IiII", mv, 0, IO_MAGIC, seq.seq_id, n_stream, n)
             end = 16 + state.payload_len
             mv[end : end + 4 * (n_stream - 1)] = bytes(4 * (n_stream - 1))
             length = end + 4 * (n_stream - 1)
@@ -673,7 +509,7 @@ def _restore(seq: KVSequence, path: Path, identity: SessionIdentity, conversatio
     got = backend().llama_state_seq_set_data(rt.ctx, buf, length, seq.seq_id)
     if got != length:
         rt.seq_rm(seq.seq_id, 0)
-        raise _Refused(f"llama.cpp refused the checked state (read {got} of {length} bytes); the cache was emptied")
+        raise StateRefused(f"llama.cpp refused the checked state (read {got} of {length} bytes); the cache was emptied")
     seq.cached = tokens
     return RestoreResult(True, n, size, time.perf_counter() - t0)
 
