@@ -27,6 +27,7 @@ from .config import ACTIONS, APP_ACTIONS, TuiConfig, load_config
 from .modals.confirm import ConfirmScreen
 from .modals.help import HelpScreen
 from .model_host import ModelHost, ModelKey
+from .sessions import ChatSessions
 
 __all__ = ["EdgeInferApp"]
 
@@ -96,6 +97,9 @@ class EdgeInferApp(App[None]):
         except Exception as e:  # noqa: BLE001 - a broken database must not lose the app
             self.notify(f"chat history unavailable: {one_line(e)}", severity="error", timeout=10)
             self.store = ChatStore(Path(":memory:"))
+        if self.store.path != Path(":memory:"):  # each chat's KV cache is kept beside the history
+            self.models.sessions = ChatSessions(self.store.path.parent / "chat-sessions")
+            self.models.sessions.prune([c.id for c in self.store.list_chats()])
         self._chat_screen = ChatScreen(
             self.store, self.models, self.config, initial_model=self.initial_model, initial_kv_types=self.initial_kv_types
         )

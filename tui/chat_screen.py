@@ -204,6 +204,7 @@ class ChatScreen(Screen):
                 return
             self.chat_view.forget_reply(chat.id)
             self.store.delete_chat(chat.id)
+            self.models.forget_chat(chat.id)
             item = self._list_item(chat.id)
             if item is not None:
                 item.remove()

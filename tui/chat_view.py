@@ -91,6 +91,14 @@ class GenerationFinished(TMessage):
         self.gen_id, self.done, self.stats = gen_id, done, stats
 
 
+class SessionResumed(TMessage):
+    """The saved KV cache of chat `chat_id` was restored: its next reply reads only the new message."""
+
+    def __init__(self, chat_id: int, model: str, tokens: int):
+        super().__init__()
+        self.chat_id, self.model, self.tokens = chat_id, model, tokens
+
+
 class GenerationFailed(TMessage):
     """The reply failed; `load_failed`: loading that model and cache failed (the host kept what it had)."""
 
@@ -195,6 +203,8 @@ class ChatView(Vertical):
         if self.generating:
             return
         self.set_stats(f"model not loaded: {error}" if error or ref is None else f"{model_label(ref, kv_types)} · ready")
+        if ref is not None and not error:
+            self.resume_open_chat()
 
     def show_load_failure(self, wanted: ModelKey, error: str) -> str:
         """Loading `wanted` failed; returns the one line to show. When the host kept this chat's
@@ -245,6 +255,28 @@ class ChatView(Vertical):
         view.anchor()
         view.scroll_end(animate=False)
         self.set_stats("")
+        self.resume_open_chat()
+
+    # -- chats that resume (tui/sessions.py) -------------------------------------------------------
+    def resume_open_chat(self) -> None:
+        """The open chat goes on the loaded model (if that is its model), in the background: the
+        chat the model held is saved, this chat's saved KV cache restored, so that its next reply
+        reads only the new message."""
+        if self.chat is None or self.models.sessions is None or self.generating:
+            return
+        turns = [(m.role, m.content) for m in self.store.messages(self.chat.id) if m.role in ("user", "assistant")]
+        self._resume(self.chat.id, self.model_ref, self.settings.kv_types, self.settings.messages(turns, self.model_ref))
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="resume")
+    def _resume(self, chat_id: int, model: str, kv_types: tuple[str, str], messages: list[dict[str, str]]) -> None:
+        result = self.models.resume(model, kv_types, chat_id, messages)
+        if result:
+            self.post_message(SessionResumed(chat_id, model, result.tokens))
+
+    def on_session_resumed(self, message: SessionResumed) -> None:
+        if self.chat is not None and self.chat.id == message.chat_id and not self.generating:
+            label = model_label(message.model, self.settings.kv_types)
+            self.set_stats(f"{label} · ready · resumed ({message.tokens} tokens cached)")
 
     def _show_first_note(self) -> None:
         """TINY_MODEL_NOTE above an empty chat with the default model; gone once the chat starts."""
@@ -318,6 +350,8 @@ class ChatView(Vertical):
         except Exception as e:  # noqa: BLE001
             self.post_message(GenerationFailed(gen_id, one_line(e), ModelKey(active.model, active.kv_types)))
             return
+        # the chat the engine holds keeps its cache on disk; this chat's saved cache comes back
+        self.models.resume(active.model, active.kv_types, active.chat_id, messages)
         try:
             gen = loaded.engine.chat(messages, options)
         except Exception as e:  # noqa: BLE001
@@ -355,6 +389,8 @@ class ChatView(Vertical):
         if done is None:
             self.post_message(GenerationFailed(gen_id, "the generation ended without a result"))
             return
+        reply = [{"role": "assistant", "content": done.text}] if done.text else []
+        self.models.note_conversation(active.model, active.kv_types, active.chat_id, messages + reply)
         self.post_message(GenerationFinished(gen_id, done, LiveStats.of(done.stats, active.own_rate(), done.finish_reason)))
 
     def _current(self, gen_id: int) -> ActiveReply | None:

@@ -1,6 +1,7 @@
 """The app's one loaded model: loaded on demand from worker threads, replaced when another model or
-other KV-cache types are asked for, closed when the app ends. No UI here: the chat view and the
-app share one host."""
+other KV-cache types are asked for, closed when the app ends. With `sessions` (tui/sessions.py) the
+cache of the chat it holds is saved before it goes, and a chat's saved cache is restored when the
+chat goes back on it (`resume`). No UI here: the chat view and the app share one host."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import edgeinfer
 
 from .backend import Backend, LoadedModel
+from .sessions import ChatSessions
 from .settings import kv_load_options
 
 __all__ = ["ModelHost", "ModelKey"]
@@ -38,6 +40,7 @@ class ModelHost:
         self.backend = backend
         self.loaded: LoadedModel | None = None
         self.key: ModelKey | None = None  # what `loaded` was asked for (the engine may name the ref differently)
+        self.sessions: ChatSessions | None = None  # set by the app when the chat history has a folder
         self._lock = threading.Lock()
 
     def options_for(self, kv_types: tuple[str, str]) -> edgeinfer.LoadOptions:
@@ -72,14 +75,49 @@ class ModelHost:
         except Exception:  # noqa: BLE001 - the caller reports the load that failed first
             log.warning("reloading %s after a failed load failed too", key.ref, exc_info=True)
 
+    # -- chats that resume (tui/sessions.py) ------------------------------------------------------
+    def resume(self, ref: str, kv_types: tuple[str, str], chat_id: int,
+               conversation: list[dict[str, str]]) -> edgeinfer.RestoreResult | None:
+        """Chat `chat_id` is about to use the model `ref` with `kv_types`: if that model is the loaded
+        one, save the chat it holds and restore this chat's saved cache (blocking: a worker thread).
+        None when nothing was restored (not loaded, resident already, no saved state)."""
+        if self.sessions is None:
+            return None
+        with self._lock:
+            try:
+                key = ModelKey(ref, self.options_for(kv_types).kv_types)
+            except edgeinfer.EdgeInferError:
+                return None
+            if self.loaded is None or self.key != key:
+                return None
+            return self.sessions.enter(self.loaded.engine, key, chat_id, conversation)
+
+    def note_conversation(self, ref: str, kv_types: tuple[str, str], chat_id: int,
+                          conversation: list[dict[str, str]]) -> None:
+        """A reply for chat `chat_id` ended on the model `ref`: its cache now holds `conversation`."""
+        if self.sessions is None:
+            return
+        try:
+            key = ModelKey(ref, self.options_for(kv_types).kv_types)
+        except edgeinfer.EdgeInferError:
+            return
+        self.sessions.note(chat_id, key, conversation)
+
+    def forget_chat(self, chat_id: int) -> None:
+        """Chat `chat_id` is deleted: so is its saved cache."""
+        if self.sessions is not None:
+            self.sessions.forget(chat_id)
+
     def close(self) -> None:
         """Close the loaded model (at exit; without the lock, so a load in progress cannot hold it up)."""
         self._close_loaded()
 
     def _close_loaded(self) -> None:
-        old, self.loaded, self.key = self.loaded, None, None
+        old, key, self.loaded, self.key = self.loaded, self.key, None, None
         if old is None:
             return
+        if self.sessions is not None:  # the chat it holds keeps its cache, on disk
+            self.sessions.leave(old.engine, key, closing=True)
         try:
             old.engine.close()
         except Exception:  # noqa: BLE001 - closing a model we are done with must not stop the app

@@ -9,9 +9,11 @@ token at a time, so a test can look at the screen mid-reply without sleeping.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import edgeinfer
@@ -101,9 +103,10 @@ class ScriptedEngine:
     `preparing` events (then waits for `prepare_gate`, when set); a generation whose speculation
     was not prepared yields them before its first token."""
 
-    def __init__(self, ref: str, backend: FakeBackend):
+    def __init__(self, ref: str, backend: FakeBackend, kv_types: tuple[str, str] = edgeinfer.DEFAULT_LOAD.kv_types):
         self.ref = ref
         self.backend = backend
+        self.kv_types = kv_types
         self.closed = False
         self.prepared: set[str] = set()
 
@@ -134,6 +137,29 @@ class ScriptedEngine:
         return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method, preparing,
                                   self.backend.prefill)
 
+    # Saved KV state, as Engine.save_session / restore_session: the file records the model, its KV
+    # types and the conversation; a restore needs the same model and types and a conversation that
+    # begins with the saved one. A state's "tokens": a quarter of its turns' characters.
+    @staticmethod
+    def _tokens(conversation: list[dict[str, str]]) -> int:
+        return sum(len(m["content"]) for m in conversation if m["role"] != "system") // 4
+
+    def save_session(self, path, conversation=None) -> edgeinfer.SessionInfo:
+        saved = [dict(m) for m in conversation or []]
+        self.backend.session_calls.append(("save", self.ref, Path(path).name, saved))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"ref": self.ref, "kv": list(self.kv_types), "conversation": saved}))
+        return edgeinfer.SessionInfo(Path(path), self._tokens(saved), Path(path).stat().st_size, 0.0)
+
+    def restore_session(self, path, conversation=None) -> edgeinfer.RestoreResult:
+        data = json.loads(Path(path).read_text())
+        saved = data["conversation"]
+        self.backend.session_calls.append(("restore", self.ref, Path(path).name, saved))
+        if (data["ref"], tuple(data["kv"])) != (self.ref, self.kv_types) or \
+                [dict(m) for m in conversation or []][: len(saved)] != saved:
+            return edgeinfer.RestoreResult(False, reason="saved for another model, KV types or other tokens")
+        return edgeinfer.RestoreResult(True, self._tokens(saved), Path(path).stat().st_size)
+
     def close(self) -> None:
         self.closed = True
 
@@ -162,6 +188,7 @@ class FakeBackend:
     prepare_gate: threading.Event | None = None  # prepare_speculation ends once it is set
     preparations: list[tuple[str, str]] = field(default_factory=list)  # (model, method) prepared ahead
     calls: list[tuple[str, list[dict[str, str]], Any]] = field(default_factory=list)
+    session_calls: list[tuple[str, str, str, list[dict[str, str]]]] = field(default_factory=list)  # (save|restore, model, file, conversation)
     loads: list[str] = field(default_factory=list)
     load_requests: list[tuple[str, edgeinfer.LoadOptions | None]] = field(default_factory=list)  # (ref, options) asked for
     listed_with: list[tuple[str, str] | None] = field(default_factory=list)  # list_models' kv_types, per call
@@ -182,7 +209,8 @@ class FakeBackend:
             raise edgeinfer.ModelNotFoundError(self.fail_load[ref])
         if options is not None and options.kv_types in self.fail_kv:  # as llama.cpp failing to make the context
             raise edgeinfer.InvalidModelError(self.fail_kv[options.kv_types])
-        return LoadedModel(ref=ref, engine=ScriptedEngine(ref, self))
+        kv_types = options.kv_types if options is not None else edgeinfer.DEFAULT_LOAD.kv_types
+        return LoadedModel(ref=ref, engine=ScriptedEngine(ref, self, kv_types))
 
     def remove_model(self, ref: str) -> None:
         if not any(m.ref == ref for m in self.models):
