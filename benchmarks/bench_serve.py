@@ -267,7 +267,7 @@ def run_rounds(args: argparse.Namespace, servers: Servers) -> None:
                 names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order between rounds
                 for name in names:
                     url, model, extra = rows[name]
-                    texts = prompts(workload, c, f"round {rnd} {name} ")
+                    texts = prompts(workload, c, f"round {rnd} c{c} {name} ")
                     loads.append(os.getloadavg()[0])
                     sample = round_of(url, model, texts, args.tokens, extra)
                     samples.setdefault((workload, name, c), []).append(sample)
