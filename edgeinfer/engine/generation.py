@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Literal, Protocol
@@ -157,6 +158,8 @@ def _run(req: _Request) -> Iterator[Event]:
             yield req.state.end("cancelled")
             return
     req.phase = "waiting"
+    # Queued from now (after any draft-model preparation): ttft_s and queue_s count from here.
+    req.state.t_submit = time.perf_counter()
     if not req.slot.acquire(req, req.handle, cancelled=req.cancel.is_set):
         req.phase = "done"
         yield req.state.end("cancelled")
