@@ -207,3 +207,30 @@ def test_a_dead_scheduler_thread_ends_every_reader_with_an_error(f16_path, plain
             be.submit(plain[3][0], greedy())
     finally:
         be.close()
+
+
+@pytest.mark.parametrize("face", ["Engine", "BatchEngine"])
+def test_queue_and_first_token_times_mean_the_same_on_both_faces(face, f16_path, plain):
+    """ttft_s counts from the request's queueing; queue_s is its wait for a slot: a request behind
+    another on a one-slot engine waits about the other's whole run, then its own prefill."""
+    opts = GenerateOptions(max_tokens=48, sampling=SamplingOptions(temperature=0.0))
+    if face == "Engine":
+        engine = edgeinfer.load(f16_path, n_ctx=2048, flash_attn=False)
+        first = engine.generate(plain[0][0], opts)
+        next(first)  # it holds the engine from here
+        box: list = []
+        second_thread = threading.Thread(target=lambda: box.append(engine.generate(plain[1][0], opts).result()))
+        second_thread.start()
+        a = first.result()
+        second_thread.join(120)
+        b = box[0]
+    else:
+        engine = BatchEngine.load(f16_path, batch=BatchOptions(parallel=1, calibrate_when_idle=False), n_ctx=2048,
+                                  flash_attn=False)
+        first, second = engine.submit(plain[0][0], opts), engine.submit(plain[1][0], opts)
+        a, b = first.result(), second.result()
+    engine.close()
+    for d in (a, b):
+        assert d.stats.ttft_s >= d.stats.queue_s + d.stats.prefill_s * 0.99, d.stats
+    assert a.stats.queue_s < 0.5 * b.stats.queue_s, (a.stats, b.stats)
+    assert b.stats.queue_s >= 0.8 * a.stats.decode_s, (a.stats, b.stats)  # (queued after a's first token at least)
