@@ -322,3 +322,60 @@ def test_saving_to_an_unwritable_place_is_one_error_and_nothing_left(engine, tmp
     assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["not-a-directory"]
     with pytest.raises(edgeinfer.InvalidOptionError):
         engine.save_session(tmp_path / "x.kv", "not a conversation")  # type: ignore[arg-type]
+
+
+def _metadata_offsets(body: bytes) -> list[int]:
+    """Every byte llama.cpp reads as structure (not K/V values) in a state's llama.cpp part."""
+    n = struct.unpack_from("<I", body, 8)[0]
+    cells = _first_cell_offset(body)
+    out = list(range(0, 12)) + list(range(cells - 8, cells)) + list(range(cells, cells + 12 * n))
+    at = cells + 12 * n
+    out += list(range(at, at + 8))  # v_trans, n_layer
+    v_trans, n_layer = struct.unpack_from("<II", body, at)
+    at += 8
+    for _ in range(n_layer):  # K: type, row size, rows
+        row = struct.unpack_from("<Q", body, at + 4)[0]
+        out += list(range(at, at + 12))
+        at += 12 + n * row
+    for _ in range(n_layer):  # V, the same shape either way (transposed: type, element size, rows)
+        out += list(range(at, at + 12))
+        if v_trans:
+            el, rows = struct.unpack_from("<II", body, at + 4)
+            at += 12 + n * el * rows
+        else:
+            at += 12 + n * struct.unpack_from("<Q", body, at + 4)[0]
+    assert at == len(body)
+    return out
+
+
+def test_forged_structure_never_reaches_llama_cpp_unchecked(engine, tmp_path, caplog):
+    """A forger's file (hashes recomputed) with any structural byte changed is refused, unless the
+    byte is a cell's sequence id (llama.cpp discards it: any non-negative id restores); the process
+    never aborts (llama.cpp's GGML_ASSERTs would kill pytest here)."""
+    engine.generate("Tell me about the sea. " * 6, edgeinfer.GenerateOptions(max_tokens=8)).result()
+    original = tmp_path / "short.kv"
+    engine.save_session(original)
+    data = original.read_bytes()
+    length = struct.unpack("<I", data[-12:-8])[0]
+    body = data[: len(data) - 12 - length]
+    n, cells = struct.unpack_from("<I", body, 8)[0], _first_cell_offset(body)
+    seq_ids = {cells + 12 * i + k for i in range(n) for k in range(8, 12)}
+    rng = np.random.default_rng(25)
+    offsets = _metadata_offsets(body)
+    restored = []
+    for i in range(80):
+        path = tmp_path / "fuzz.kv"
+        shutil.copyfile(original, path)
+        at = int(rng.choice(offsets))
+        value = int(rng.integers(0, 256))
+
+        def poke(b: bytearray, at=at, value=value) -> None:
+            b[at] = value if b[at] != value else (value + 1) % 256
+
+        _reseal(path, ggsq=poke)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            if engine.restore_session(path):
+                restored.append(at)
+    assert set(restored) <= seq_ids and len(restored) < 40, restored
+    done = engine.generate("Hello there", edgeinfer.GenerateOptions(max_tokens=4)).result()
+    assert done.stats.generated_tokens >= 1
