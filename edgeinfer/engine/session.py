@@ -192,12 +192,22 @@ def _dump(runtime: LlamaRuntime, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
     return buf
 
 
+def _known_layout(runtime: LlamaRuntime) -> StateLayout | None:
+    with _layouts_lock:
+        return _layouts.get(runtime)
+
+
+def _remember_layout(runtime: LlamaRuntime, layout: StateLayout) -> None:
+    with _layouts_lock:
+        _layouts[runtime] = layout
+
+
 def _context_layout(seq: SequenceLike) -> StateLayout:
     """This context's state layout, learned once from a state of its own (a sequence with at least
-    one cell: `seq` itself, or one token decoded into it and removed again when it is empty)."""
+    one cell: `seq` itself, or one token decoded into it and removed again when it is empty; a
+    first save learns it from the file it writes instead)."""
     rt = seq.runtime
-    with _layouts_lock:
-        known = _layouts.get(rt)
+    known = _known_layout(rt)
     if known is not None:
         return known
     probe = not seq.cached
@@ -214,8 +224,7 @@ def _context_layout(seq: SequenceLike) -> StateLayout:
     finally:
         if probe:
             seq.clear()
-    with _layouts_lock:
-        _layouts[rt] = layout
+    _remember_layout(rt, layout)
     return layout
 
 
@@ -343,10 +352,7 @@ def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: Ses
     tokens = list(seq.cached)
     if _unchanged(path, identity, tokens) is not None:
         return SessionInfo(path, len(tokens), path.stat().st_size, time.perf_counter() - t0, written=False)
-    try:
-        layout = _context_layout(seq) if tokens else None
-    except StateRefused as e:  # a memory whose layout is not the one we check (recurrent, SWA)
-        raise InvalidOptionError(f"{identity.model_name}: {e}") from None
+    layout = _known_layout(rt)  # else learned from the file written below
     ll = backend()
     need = ll.llama_state_seq_get_size(rt.ctx, seq.seq_id) + 4 * len(tokens) + MAX_TRAILER
     ensure_free_space(path.parent, need, f"the KV state {path.name}")
@@ -365,17 +371,23 @@ def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: Ses
                         if (magic, version, n) != (GGSQ_MAGIC, GGSQ_VERSION, len(tokens)):
                             raise StoreError(f"llama.cpp wrote an unexpected state header to {path}")
                         start = 12 + 4 * n
-                        if layout is None:  # an empty sequence: no layout to learn or check
-                            state = parse_state(mv, start, written, 0, ext=False)
-                            layout = state.layout
+                        if not n:  # an empty sequence: no layout to learn or check
+                            written_layout = parse_state(mv, start, written, 0, ext=False).layout
+                        elif layout is None:  # the first save on this context: its layout
+                            try:
+                                layout = written_layout = learn_layout(mv, start, written, n)
+                            except StateRefused as e:  # a memory we cannot check (SWA, hybrid)
+                                raise InvalidOptionError(f"{identity.model_name}: {e}") from None
+                            _remember_layout(rt, layout)
                         else:
                             parse_state(mv, start, written, n, ext=layout.cell_ext, expected=layout, tokens=tokens)
+                            written_layout = layout
                     except StateRefused as e:
                         raise StoreError(f"the KV state llama.cpp wrote does not read back: {e}") from None
                     finally:
                         mv.release()
                 f.seek(written)
-                f.write(_trailer_bytes(identity, tokens, written, sha, layout))
+                f.write(_trailer_bytes(identity, tokens, written, sha, written_layout))
                 f.flush()
                 os.fsync(f.fileno())
             total = tmp.stat().st_size
