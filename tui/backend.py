@@ -8,10 +8,10 @@ the UI never knows the difference.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import edgeinfer
 from edgeinfer import DownloadProgress, PullPlan, PullStage, pull
@@ -173,7 +173,10 @@ class GenerationLike(Protocol):
 
 
 class EngineLike(Protocol):
-    def chat(self, messages: list[dict[str, str]], options: edgeinfer.GenerateOptions | None = None) -> GenerationLike: ...
+    def chat(self, messages: list[dict[str, Any]], options: edgeinfer.GenerateOptions | None = None, *,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> GenerationLike:
+        """With `tools` the model may call them: ToolCallEvents, and DoneEvent.tool_calls."""
+        ...
 
     def prepare_speculation(
         self,

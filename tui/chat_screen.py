@@ -308,3 +308,6 @@ class ChatScreen(Screen):
 
     def action_toggle_drafted(self) -> None:
         self.chat_view.action_toggle_drafted()
+
+    def action_tool_result(self) -> None:
+        self.chat_view.action_tool_result()

@@ -61,7 +61,14 @@ def m002_settings_and_stats(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN drafted TEXT NOT NULL DEFAULT '[]'")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_settings_and_stats]
+def m003_tool_calls(db: sqlite3.Connection) -> None:
+    # An assistant message's tool calls (JSON [{"id", "name", "arguments"}]) and, on a `tool`
+    # message, the id of the call it answers.
+    db.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT NOT NULL DEFAULT '[]'")
+    db.execute("ALTER TABLE messages ADD COLUMN tool_call_id TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_settings_and_stats, m003_tool_calls]
 
 
 def migrate(db: sqlite3.Connection, migrations: list[Callable[[sqlite3.Connection], None]] | None = None) -> list[str]:
@@ -93,12 +100,14 @@ class Chat:
 class Message:
     id: int
     chat_id: int
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool (a tool result the user pasted)
     content: str
     created: str
     model: str | None = None
     stats: dict[str, Any] | None = None
     drafted: list[tuple[int, int]] = field(default_factory=list)  # [start, end) character spans
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # an assistant's calls: {"id", "name", "arguments"}
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatStore:
@@ -174,6 +183,8 @@ class ChatStore:
             model=row["model"],
             stats=json.loads(row["stats"]) if row["stats"] else None,
             drafted=[(int(a), int(b)) for a, b in json.loads(row["drafted"] or "[]")],
+            tool_calls=_calls(row["tool_calls"]),
+            tool_call_id=row["tool_call_id"],
         )
 
     def add_message(
@@ -185,12 +196,17 @@ class ChatStore:
         model: str | None = None,
         stats: dict[str, Any] | None = None,
         drafted: list[tuple[int, int]] | None = None,
+        tool_calls: list[dict[str, str]] | None = None,
+        tool_call_id: str | None = None,
     ) -> Message:
         now = _now()
+        calls = [{"id": c["id"], "name": c["name"], "arguments": c["arguments"]} for c in tool_calls or ()]
         with self.db:
             cur = self.db.execute(
-                "INSERT INTO messages (chat_id, role, content, created, model, stats, drafted) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, now, model, json.dumps(stats) if stats else None, json.dumps(drafted or [])),
+                "INSERT INTO messages (chat_id, role, content, created, model, stats, drafted, tool_calls, tool_call_id)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, now, model, json.dumps(stats) if stats else None, json.dumps(drafted or []),
+                 json.dumps(calls), tool_call_id),
             )
             self.db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
         row = self.db.execute("SELECT * FROM messages WHERE id = ?", (cur.lastrowid,)).fetchone()
@@ -204,6 +220,18 @@ class ChatStore:
             self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
 
 
+def _calls(text: str | None) -> list[dict[str, str]]:
+    """Stored tool calls; entries a damaged database garbled are left out, not a crash."""
+    try:
+        data = json.loads(text or "[]")
+    except ValueError:
+        return []
+    if not isinstance(data, list):
+        return []
+    keys = ("id", "name", "arguments")
+    return [{k: c[k] for k in keys} for c in data if isinstance(c, dict) and all(isinstance(c.get(k), str) for k in keys)]
+
+
 def export_markdown(chat: Chat, messages: list[Message]) -> str:
     """A chat as a Markdown document: title, model, system prompt, then each turn."""
     lines = [f"# {chat.title}", ""]
@@ -215,5 +243,12 @@ def export_markdown(chat: Chat, messages: list[Message]) -> str:
     for m in messages:
         if m.role == "system":
             continue
-        lines += [f"## {'User' if m.role == 'user' else 'Assistant'}", "", m.content.rstrip(), ""]
+        if m.role == "tool":
+            lines += [f"## Tool result ({m.tool_call_id})", "", "```", m.content.rstrip(), "```", ""]
+            continue
+        lines += [f"## {'User' if m.role == 'user' else 'Assistant'}", ""]
+        if m.content.strip():
+            lines += [m.content.rstrip(), ""]
+        for c in m.tool_calls:
+            lines += [f"Tool call `{c['name']}` ({c['id']}):", "", "```json", c["arguments"], "```", ""]
     return "\n".join(lines).rstrip() + "\n"

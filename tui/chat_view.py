@@ -26,14 +26,17 @@ from textual.message import Message as TMessage
 from textual.widgets import Static
 
 import edgeinfer
-from edgeinfer import DEFAULT_LOAD, DoneEvent, GenerateOptions, Generation, PrefillProgress, SpeculationProgress, TokenEvent
+from edgeinfer import (DEFAULT_LOAD, DoneEvent, GenerateOptions, Generation, PrefillProgress, SpeculationProgress,
+                       TokenEvent, ToolCallEvent)
 
 from .backend import one_line
 from .chat_store import Chat, ChatStore
+from .chat_tools import ChatTools, reply_turn
 from .config import TuiConfig
 from .live_stats import LiveStats, preparing_line
 from .model_host import ModelHost, ModelKey
 from .settings import ChatSettings, kv_label
+from .tools import ToolsFile, conversation, pending_calls
 from .widgets import ChatInput, MessageView, last_code_block, merge_spans
 
 __all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE", "model_label",
@@ -99,6 +102,14 @@ class SessionResumed(TMessage):
         self.chat_id, self.model, self.tokens = chat_id, model, tokens
 
 
+class ToolCallStarted(TMessage):
+    """The reply is writing a call of the tool `name` (its arguments stream; the block comes at the end)."""
+
+    def __init__(self, gen_id: int, name: str):
+        super().__init__()
+        self.gen_id, self.name = gen_id, name
+
+
 class GenerationFailed(TMessage):
     """The reply failed; `load_failed`: loading that model and cache failed (the host kept what it had)."""
 
@@ -143,8 +154,8 @@ class ActiveReply:
         return min(max(FLUSH_S, self.frame_cpu / UI_CPU_BUDGET), MAX_FLUSH_S)
 
 
-class ChatView(Vertical):
-    """The open chat and the reply being generated for it."""
+class ChatView(ChatTools, Vertical):
+    """The open chat and the reply being generated for it (its tool calls: chat_tools.py)."""
 
     class ChatChanged(TMessage):
         """The chat's title, model or settings changed (the screen updates its sidebar and header)."""
@@ -166,6 +177,10 @@ class ChatView(Vertical):
         self.last_stats: LiveStats | None = None
         self.last_done: DoneEvent | None = None
         self._gen_counter = 0
+        self.tools = ToolsFile()  # the user's tools ($EDGEINFER_HOME/tools.json), offered with each reply
+
+    def on_mount(self) -> None:
+        self.offered_tools()  # a problem with the tools file shows at start
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="messages")
@@ -242,12 +257,16 @@ class ChatView(Vertical):
         view = self.messages_view
         view.remove_children()
         widgets = []
-        for m in self.store.messages(chat.id):
+        msgs = self.store.messages(chat.id)
+        waiting = frozenset(c["id"] for c in pending_calls(msgs))
+        names = {c["id"]: c["name"] for m in msgs for c in m.tool_calls}
+        for m in msgs:
             if m.role == "system":
                 continue
             note = CANCELLED_NOTE if m.stats and m.stats.get("finish_reason") == "cancelled" else ""
             widgets.append(
-                MessageView(m.role, m.content, drafted=m.drafted, show_drafted=self.show_drafted, note=note, message_id=m.id)
+                MessageView(m.role, m.content, drafted=m.drafted, show_drafted=self.show_drafted, note=note, message_id=m.id,
+                            tool_calls=m.tool_calls, pending=waiting, tool_name=names.get(m.tool_call_id or ""))
             )
         if widgets:
             view.mount_all(widgets)
@@ -264,7 +283,7 @@ class ChatView(Vertical):
         reads only the new message."""
         if self.chat is None or self.models.sessions is None or self.generating:
             return
-        turns = [(m.role, m.content) for m in self.store.messages(self.chat.id) if m.role in ("user", "assistant")]
+        turns = conversation(self.store.messages(self.chat.id))
         self._resume(self.chat.id, self.model_ref, self.settings.kv_types, self.settings.messages(turns, self.model_ref))
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="resume")
@@ -329,8 +348,9 @@ class ChatView(Vertical):
         except Exception as e:  # noqa: BLE001 - invalid settings: say so, keep the message
             self.notify(one_line(e), severity="error", timeout=8)
             return
-        turns = [(m.role, m.content) for m in self.store.messages(self.chat.id) if m.role in ("user", "assistant")]
+        turns = conversation(self.store.messages(self.chat.id))
         messages = self.settings.messages(turns, self.model_ref)
+        tools = self.offered_tools()
         view = MessageView("assistant", show_drafted=self.show_drafted)
         self.messages_view.mount(view)
         self.messages_view.anchor()
@@ -340,10 +360,11 @@ class ChatView(Vertical):
                                   kv_types=self.settings.kv_types)
         self.set_stats(f"{model} · generating…")
         self._reply_changed()
-        self.generate(self.active, messages, options)
+        self.generate(self.active, messages, options, tools)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="generate")
-    def generate(self, active: ActiveReply, messages: list[dict[str, str]], options: GenerateOptions) -> None:
+    def generate(self, active: ActiveReply, messages: list[dict[str, Any]], options: GenerateOptions,
+                 tools: tuple[dict[str, Any], ...] = ()) -> None:
         gen_id = active.gen_id
         try:
             loaded = self.models.ensure_loaded(active.model, active.kv_types)
@@ -353,7 +374,7 @@ class ChatView(Vertical):
         # the chat the engine holds keeps its cache on disk; this chat's saved cache comes back
         self.models.resume(active.model, active.kv_types, active.chat_id, messages)
         try:
-            gen = loaded.engine.chat(messages, options)
+            gen = loaded.engine.chat(messages, options, tools=tools) if tools else loaded.engine.chat(messages, options)
         except Exception as e:  # noqa: BLE001
             self.post_message(GenerationFailed(gen_id, one_line(e)))
             return
@@ -381,6 +402,8 @@ class ChatView(Vertical):
                     self.post_message(SpeculationPreparing(gen_id, ev))
                 elif isinstance(ev, PrefillProgress):
                     self.post_message(PrefillShown(gen_id, ev))
+                elif isinstance(ev, ToolCallEvent) and not ev.arguments and ev.call is None:  # a call starts
+                    self.post_message(ToolCallStarted(gen_id, ev.name))
                 elif isinstance(ev, DoneEvent):
                     done = ev
         except Exception as e:  # noqa: BLE001 - an engine error mid-reply: keep what came
@@ -389,8 +412,7 @@ class ChatView(Vertical):
         if done is None:
             self.post_message(GenerationFailed(gen_id, "the generation ended without a result"))
             return
-        reply = [{"role": "assistant", "content": done.text}] if done.text else []
-        self.models.note_conversation(active.model, active.kv_types, active.chat_id, messages + reply)
+        self.models.note_conversation(active.model, active.kv_types, active.chat_id, messages + reply_turn(done))
         self.post_message(GenerationFinished(gen_id, done, LiveStats.of(done.stats, active.own_rate(), done.finish_reason)))
 
     def _current(self, gen_id: int) -> ActiveReply | None:
@@ -404,6 +426,11 @@ class ChatView(Vertical):
         if active is not None and active.n_tokens == 0:
             p = message.progress
             self.set_stats(f"{active.model} · reading the prompt: {p.done}/{p.total} tokens ({p.done * 100 // max(p.total, 1)} %)")
+
+    def on_tool_call_started(self, message: ToolCallStarted) -> None:
+        active = self._current(message.gen_id)
+        if active is not None:
+            self.set_stats(f"{active.model} · calling {message.name}…")
 
     def on_speculation_preparing(self, message: SpeculationPreparing) -> None:
         active = self._current(message.gen_id)
@@ -474,14 +501,16 @@ class ChatView(Vertical):
         self.last_done = done
         self.last_stats = message.stats
         cancelled = done.finish_reason == "cancelled"
-        if cancelled and not done.text:  # nothing came: nothing is shown, nothing is kept
+        if cancelled and not done.text and not done.tool_calls:  # nothing came: nothing is shown, nothing is kept
             if view is not None:
                 await view.remove()
                 self.set_stats(message.stats.line(active.model))
             return
         stats: dict[str, Any] = done.stats.to_dict()
         stats["finish_reason"] = done.finish_reason
-        msg = self.store.add_message(active.chat_id, "assistant", done.text, model=active.model, stats=stats, drafted=active.drafted)
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in done.tool_calls]
+        msg = self.store.add_message(active.chat_id, "assistant", done.text, model=active.model, stats=stats,
+                                     drafted=active.drafted, tool_calls=calls)
         if view is not None:
             view.message_id = msg.id
             view.drafted = list(active.drafted)
@@ -489,6 +518,7 @@ class ChatView(Vertical):
             if cancelled:
                 view.set_note(CANCELLED_NOTE)
             self.set_stats(message.stats.line(active.model))
+        await self.show_tool_calls(view, done)
 
     async def on_generation_failed(self, message: GenerationFailed) -> None:
         active = self._current(message.gen_id)

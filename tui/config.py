@@ -52,6 +52,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("rename_chat", "f2", "Rename", "Rename this chat", show=False),
     Action("delete_chat", "f8", "Delete", "Delete this chat", show=False),
     Action("export_chat", "f3", "Export", "Export this chat to Markdown", show=False),
+    Action("tool_result", "ctrl+f", "Tool result", "Paste the result of the model's tool call (tools: tools.json)",
+           show=False),
 )
 # The app's own actions (they work on every screen); the others are the chat screen's.
 APP_ACTIONS: frozenset[str] = frozenset({"help", "quit"})

@@ -124,9 +124,10 @@ class ChatSettings:
         (edgeinfer.default_system_prompt: the tiny default model's measured one; None for others)."""
         return self.system_prompt if self.system_prompt.strip() else edgeinfer.default_system_prompt(model)
 
-    def messages(self, turns: list[tuple[str, str]], model: str | None = None) -> list[dict[str, str]]:
+    def messages(self, turns: list[tuple[str, str]] | list[dict[str, Any]], model: str | None = None) -> list[dict[str, Any]]:
         """The chat-template input for `model` (None: the default model): the system prompt (this
-        chat's, else the model's default, if any) and the (role, content) turns."""
+        chat's, else the model's default, if any) and the turns: (role, content) pairs, or messages
+        as the engine takes them (tool calls and results: tui/tools.py's `conversation`)."""
         system = self.system_for(model)
-        out = [{"role": "system", "content": system}] if system else []
-        return out + [{"role": r, "content": c} for r, c in turns]
+        out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        return out + [dict(t) if isinstance(t, dict) else {"role": t[0], "content": t[1]} for t in turns]

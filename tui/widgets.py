@@ -11,6 +11,8 @@ from textual.containers import Vertical
 from textual.message import Message as TMessage
 from textual.widgets import Label, ListItem, ListView, Markdown, Static, TextArea
 
+from .tool_views import ToolCallBlock, ToolResultBlock
+
 __all__ = ["ChatInput", "MessageView", "ChatList", "ChatListItem", "last_code_block", "merge_spans"]
 
 _FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
@@ -68,7 +70,8 @@ class ChatInput(TextArea):
 
 class MessageView(Vertical):
     """One turn. Assistant replies render as Markdown (streamed through `Markdown.get_stream`), or,
-    with the drafted view on, as text where drafted-and-accepted tokens have their own colour."""
+    with the drafted view on, as text where drafted-and-accepted tokens have their own colour. A
+    reply's tool calls follow it as collapsed blocks; a tool result (role "tool") is one."""
 
     DEFAULT_CSS = """
     MessageView { height: auto; margin: 0 0 1 0; }
@@ -89,10 +92,18 @@ class MessageView(Vertical):
         show_drafted: bool = False,
         note: str = "",
         message_id: int | None = None,
+        tool_calls: list[dict[str, str]] | None = None,
+        pending: frozenset[str] = frozenset(),
+        tool_name: str | None = None,
     ):
+        """`tool_calls`: an assistant's calls ({"id", "name", "arguments"}), those in `pending`
+        still waiting for a result; `tool_name`: the tool a "tool" message is the result of."""
         super().__init__(classes=role)
         self.role = role
         self.content = content
+        self.tool_calls = list(tool_calls or [])
+        self.pending = pending
+        self.tool_name = tool_name
         self.drafted: list[tuple[int, int]] = list(drafted or [])
         self.show_drafted = show_drafted
         self.message_id = message_id
@@ -100,9 +111,10 @@ class MessageView(Vertical):
         self._stream = None
 
     def compose(self) -> ComposeResult:
-        yield Label({"user": "You", "assistant": "Assistant", "system": "System"}.get(self.role, self.role), classes="role")
-        md = Markdown(self.content, classes="body")
-        md.display = not self._drafted_mode
+        yield Label({"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}.get(self.role, self.role),
+                    classes="role")
+        md = Markdown("" if self.role == "tool" else self.content, classes="body")
+        md.display = self._markdown_shown
         yield md
         view = Static(self._drafted_text(), classes="drafted-view")
         view.display = self._drafted_mode
@@ -110,10 +122,30 @@ class MessageView(Vertical):
         note = Static(self._note, classes="note")
         note.display = bool(self._note)
         yield note
+        if self.role == "tool":
+            yield ToolResultBlock(self.content, self.tool_name)
+        for call in self.tool_calls:
+            yield ToolCallBlock(call, pending=call["id"] in self.pending)
 
     @property
     def _drafted_mode(self) -> bool:
         return self.show_drafted and self.role == "assistant"
+
+    @property
+    def _markdown_shown(self) -> bool:
+        return not self._drafted_mode and self.role != "tool"
+
+    async def add_tool_calls(self, calls: list[dict[str, str]], pending: frozenset[str]) -> None:
+        """The reply's calls, after its text (when it ends with them)."""
+        self.tool_calls += calls
+        self.pending = pending
+        await self.mount_all([ToolCallBlock(c, pending=c["id"] in pending) for c in calls])
+
+    def set_pending(self, pending: frozenset[str]) -> None:
+        """Which of this reply's calls still wait for a result."""
+        self.pending = pending
+        for block in self.query(ToolCallBlock):
+            block.set_pending(block.call["id"] in pending)
 
     def _drafted_text(self) -> Text:
         text = Text(self.content)
@@ -133,7 +165,7 @@ class MessageView(Vertical):
 
     def set_show_drafted(self, on: bool) -> None:
         self.show_drafted = on
-        self.markdown.display = not self._drafted_mode
+        self.markdown.display = self._markdown_shown
         view = self.query_one(".drafted-view", Static)
         view.display = self._drafted_mode
         if self._drafted_mode:

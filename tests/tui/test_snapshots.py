@@ -1,5 +1,5 @@
 """Snapshot tests (pytest-textual-snapshot) at a fixed size, no cursor blink: the chat screen, the
-help screen and two dialogs. Only a few, so a Textual upgrade rewrites little; every other screen is
+help screen, two dialogs and a chat with tool calls. Only a few, so a Textual upgrade rewrites little; every other screen is
 checked through its widgets' state (the other test files).
 
 Update after an intended visual change with: pytest tests/tui/test_snapshots.py --snapshot-update
@@ -70,6 +70,32 @@ def test_speculation_panel(snap_compare, snap_app):
 def test_settings_dialog(snap_compare, snap_app):
     """At 40 rows: its title, the labelled system-prompt box and the buttons in view (issue 26)."""
     assert snap_compare(snap_app, terminal_size=(110, 40), run_before=_before("ctrl+s", screen="SettingsScreen"))
+
+
+@pytest.fixture
+def tools_app(make_app, db_path):
+    """A chat where the model called a tool, got its result and answered, then called it again: the
+    second call still waits for its result."""
+    from edgeinfer_tui.chat_store import ChatStore
+
+    store = ChatStore(db_path)
+    chat = store.create_chat(title="Weather")
+    store.add_message(chat.id, "user", "What is the weather in Paris?")
+    store.add_message(chat.id, "assistant", "", tool_calls=[
+        {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris", "units": "celsius"}'}])
+    store.add_message(chat.id, "tool", "18 degrees, sunny, light wind [from the station at Orly]",
+                      tool_call_id="call_1")
+    store.add_message(chat.id, "assistant", "It is 18 degrees and sunny in Paris.")
+    store.add_message(chat.id, "user", "And in Oslo?")
+    store.add_message(chat.id, "assistant", "Let me check.", tool_calls=[
+        {"id": "call_2", "name": "get_weather", "arguments": '{"city": "Oslo", "units": "celsius"}'}])
+    store.close()
+    return make_app()
+
+
+def test_tool_call_blocks(snap_compare, tools_app):
+    """Calls and a result as collapsed one-line blocks; the last call marked as waiting."""
+    assert snap_compare(tools_app, terminal_size=SIZE, run_before=_before())
 
 
 def test_help_screen(snap_compare, snap_app):

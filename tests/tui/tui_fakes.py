@@ -5,6 +5,10 @@ models elsewhere, and the end-to-end and tmux tests here use the real default mo
 
 Speed: `delay` seconds between tokens, or a `gate` (threading.Semaphore) the test releases one
 token at a time, so a test can look at the screen mid-reply without sleeping.
+
+Tools: with `calls_script` set, a chat request that offers tools (`tools=`) may end with tool calls,
+streamed as the library streams them (ToolCallEvents: a first one naming the call, then pieces of its
+arguments, the last with the whole call) and returned in DoneEvent.tool_calls.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import edgeinfer
-from edgeinfer import DoneEvent, GenerationStats, PrefillProgress, SpeculationProgress, SpeculationStats, TokenEvent
+from edgeinfer import (DoneEvent, GenerationStats, PrefillProgress, SpeculationProgress, SpeculationStats, TokenEvent,
+                       ToolCall, ToolCallEvent)
 from edgeinfer_tui.backend import LoadedModel, ModelEntry, TaskProgress
 
 Script = Callable[[list[dict[str, str]], Any], list[tuple[str, bool]]]
+# (messages, tools offered) -> the calls the reply ends with, as (name, arguments JSON); [] for none
+CallsScript = Callable[[list[dict[str, Any]], tuple[dict[str, Any], ...]], list[tuple[str, str]]]
 
 
 def echo_script(messages: list[dict[str, str]], options: Any) -> list[tuple[str, bool]]:
@@ -34,8 +41,10 @@ def echo_script(messages: list[dict[str, str]], options: Any) -> list[tuple[str,
 
 class ScriptedGeneration:
     def __init__(self, tokens: list[tuple[str, bool]], delay: float, gate: threading.Semaphore | None, method: str,
-                 preparing: tuple[SpeculationProgress, ...] = (), prefill: tuple[PrefillProgress, ...] = ()):
+                 preparing: tuple[SpeculationProgress, ...] = (), prefill: tuple[PrefillProgress, ...] = (),
+                 calls: tuple[ToolCall, ...] = ()):
         self.tokens = tokens
+        self.calls = calls
         self.preparing = preparing
         self.prefill = prefill
         self.delay = delay
@@ -94,7 +103,21 @@ class ScriptedGeneration:
             yield TokenEvent(token=i, text=piece, drafted=drafted)
         if self.stats.speculation is not None and run:
             self.stats.speculation.record(run + 1, run)
-        yield DoneEvent(text="".join(text), tokens=ids, finish_reason=reason, stats=self.stats)
+        made: list[ToolCall] = []  # the calls streamed to their end (a call cut off is not a call)
+        for i, call in enumerate(self.calls if reason == "eos" else ()):
+            half = len(call.arguments) // 2
+            for ev in (ToolCallEvent(i, call.id, call.name), ToolCallEvent(i, call.id, call.name, call.arguments[:half]),
+                       ToolCallEvent(i, call.id, call.name, call.arguments[half:], call=call)):
+                if not self._wait_turn():
+                    reason = "cancelled"
+                    break
+                yield ev
+            if reason == "cancelled":
+                break
+            made.append(call)
+        if made and reason == "eos":
+            reason = "tool_calls"
+        yield DoneEvent(text="".join(text), tokens=ids, finish_reason=reason, stats=self.stats, tool_calls=tuple(made))
 
 
 class ScriptedEngine:
@@ -126,16 +149,22 @@ class ScriptedEngine:
         self.prepared.add(speculation.method)
         self.backend.preparations.append((self.ref, speculation.method))
 
-    def chat(self, messages: list[dict[str, str]], options: Any = None) -> ScriptedGeneration:
+    def chat(self, messages: list[dict[str, str]], options: Any = None, *, tools=None) -> ScriptedGeneration:
         options = (options or edgeinfer.GenerateOptions()).validate()
         self.backend.calls.append((self.ref, [dict(m) for m in messages], options))
+        self.backend.tools_offered.append(tuple(tools or ()))
         if self.backend.fail_chat:
             raise edgeinfer.ContextLengthError(self.backend.fail_chat)
         tokens = self.backend.script(messages, options)
         preparing = self.backend.preparing if self._needs_preparing(options.speculation) else ()
         self.prepared.add(options.speculation.method)
+        calls = ()
+        if tools and self.backend.calls_script is not None:
+            self.backend.call_counter += 1
+            calls = tuple(ToolCall(f"call_{self.backend.call_counter}_{i}", name, args)
+                          for i, (name, args) in enumerate(self.backend.calls_script(messages, tuple(tools))))
         return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method, preparing,
-                                  self.backend.prefill)
+                                  self.backend.prefill, calls)
 
     # Saved KV state, as Engine.save_session / restore_session: the file records the model, its KV
     # types and the conversation; a restore needs the same model and types and a conversation that
@@ -177,6 +206,9 @@ class FakeBackend:
         ]
     )
     script: Script = echo_script
+    calls_script: CallsScript | None = None  # tool calls a reply ends with (when tools are offered)
+    call_counter: int = 0
+    tools_offered: list[tuple[dict[str, Any], ...]] = field(default_factory=list)  # the tools of each chat request
     delay: float = 0.0
     gate: threading.Semaphore | None = None
     fail_load: dict[str, str] = field(default_factory=dict)  # ref -> error message
