@@ -1,12 +1,10 @@
-"""Test helpers for llama.cpp's drafting-head API, through llama-cpp-python 0.3.36's ctypes bindings.
-
-The functions that hand hidden states between contexts (`llama_set_embeddings_nextn`,
-`llama_get_embeddings_nextn[_ith]`, `llama_set/get_embeddings_layer_inp`,
-`llama_model_target_layer_ids[_n]`) are declared in llama.cpp's staging header `src/llama-ext.h`
-without `extern "C"`: libllama exports them under C++-mangled names and the binding has none of
-them. They take plain pointers and scalars, so ctypes calls them by those names.
-`llama_batch_ext_set_embd_state` is bound but a stub in this llama.cpp (returns false): the hidden
-state rides in `llama_batch_ext_set_embd_token` (or a llama_batch with both token and embd set).
+"""Test helpers for llama.cpp's drafting-head API: contexts, batches and outputs through
+llama-cpp-python 0.3.36's ctypes bindings. The C++-mangled hidden-state functions
+(`set_embeddings_nextn`, `get_embeddings_nextn[_ith]`, `set/get_embeddings_layer_inp`,
+`target_layer_ids[_n]`) come from the package, checked against the pinned build
+(edgeinfer/engine/llama_ext.py): `ext()` is that API (`.ll` is llama_cpp, its log routed to
+edgeinfer's logger). `llama_batch_ext_set_embd_state` is a stub in this llama.cpp (returns
+false): the hidden state rides in `llama_batch_ext_set_embd_token`.
 """
 
 from __future__ import annotations
@@ -17,59 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.engine.llama_ext import HeadAPI
+from edgeinfer.engine.llama_ext import ext as _package_ext
+
 __all__ = ["ext", "threads", "context", "decode_tokens", "process_pairs", "logits_rows"]
 
-_MANGLED = {
-    "set_embeddings_nextn": ("_Z26llama_set_embeddings_nextnP13llama_contextbb",
-                             [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
-    "get_embeddings_nextn": ("_Z26llama_get_embeddings_nextnP13llama_context",
-                             [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float)),
-    "get_embeddings_nextn_ith": ("_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
-                                 [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
-    "set_embeddings_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
-                                 [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),
-    "get_embeddings_layer_inp": ("_Z30llama_get_embeddings_layer_inpP13llama_contextj",
-                                 [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
-    "target_layer_ids": ("_Z28llama_model_target_layer_idsPK11llama_model",
-                         [ctypes.c_void_p], ctypes.POINTER(ctypes.c_int32)),
-    "target_layer_ids_n": ("_Z30llama_model_target_layer_ids_nPK11llama_model", [ctypes.c_void_p], ctypes.c_uint32),
-}
 
-
-class _Ext:
-    def __init__(self) -> None:
-        from llama_cpp import llama_cpp as ll
-
-        self.ll = ll
-        for name, (symbol, args, res) in _MANGLED.items():
-            fn = ll._lib[symbol]
-            fn.argtypes, fn.restype = args, res
-            setattr(self, name, fn)
-
-
-_ext: _Ext | None = None
-
-
-def ext() -> _Ext:
-    global _ext
-    if _ext is None:
-        _ext = _Ext()
-        _ext.ll.llama_backend_init()
-        _ext.ll.llama_log_set(_quiet, ctypes.c_void_p(0))  # llama.cpp's log would flood the test output
-    return _ext
-
-
-def _silent(_level: int, _text: bytes, _user: ctypes.c_void_p) -> None:
-    pass
-
-
-def _make_quiet() -> Any:
-    from llama_cpp import llama_cpp as ll
-
-    return ll.llama_log_callback(_silent)
-
-
-_quiet = _make_quiet()  # kept alive for as long as llama.cpp may call it
+def ext() -> HeadAPI:
+    return _package_ext()
 
 
 def threads() -> int:
