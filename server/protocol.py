@@ -85,13 +85,17 @@ def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) 
         base = edgeinfer.SpeculationOptions(method=method) if isinstance(method, str) else None
     elif method == server.method:
         base = server
-    elif method in ("draft", "self"):
+    elif method in ("draft", "self", "eagle3"):
         raise _bad(f"speculation {method!r} needs a draft model this server did not open "
                    f"(it speculates with {server.method!r}: start it with --speculate {method}=...)", "speculation")
+    elif method == "mtp":
+        raise _bad(f"speculation 'mtp' needs the model's MTP head, which this server did not open "
+                   f"(it speculates with {server.method!r}: start it with --speculate mtp)", "speculation")
     else:
         base = None
     if base is None:
-        raise _bad(f"'speculation' must be off, lookup, auto, draft or self, got {method!r}", "speculation")
+        raise _bad(f"'speculation' must be off, lookup, auto, draft, self, mtp or eagle3, got {method!r}",
+                   "speculation")
     try:
         return replace(base, **knobs).validate()
     except edgeinfer.InvalidOptionError as e:

@@ -499,8 +499,10 @@ def make_random_qwen35_model(
     dtype: str = "float32",
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
+    edit: Any = None,
 ) -> Path:
-    """A tiny random Qwen3.5 checkpoint in the published layout; returns `folder`.
+    """A tiny random Qwen3.5 checkpoint in the published layout; returns `folder`. `edit(tensors)`
+    may change the tensors (HF names, float32) before they are written.
 
     `multimodal` writes what Qwen/Qwen3.5-0.8B ships (Qwen3_5ForConditionalGeneration: the text
     settings under text_config, `model.language_model.*` tensors, a stand-in `model.visual.*`
@@ -575,6 +577,8 @@ def make_random_qwen35_model(
         t.update(attention("mtp.layers.0."))
     if multimodal:  # a stand-in for the vision tower the converter leaves out
         t["model.visual.blocks.0.attn.qkv.weight"] = mat(3 * 64, 64)
+    if edit is not None:
+        edit(t)
     _save_weights(folder, t, dtype, 1)
 
     v = _default_vocab()
@@ -620,6 +624,32 @@ def make_random_qwen35_model(
     config.update(config_overrides or {})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def token_only_mtp(head: str = "agree") -> Any:
+    """An `edit` for make_random_qwen35_model: a "token-only" Qwen3.5 whose trunk blocks write
+    nothing to the residual stream (the next token depends on the current one alone: its
+    embedding, the final norm, the output layer) and whose MTP layer computes exactly that
+    (fc = [I | 0], its block's writes zero, its final norm the model's): a head that agrees with
+    the target. "close": the same with the MTP norm perturbed (q near p, not equal)."""
+
+    def edit(t: dict[str, np.ndarray]) -> None:
+        p = "model.language_model."
+        for k in t:
+            if k.startswith(p + "layers.") and k.endswith(
+                    ("mlp.down_proj.weight", "self_attn.o_proj.weight", "linear_attn.out_proj.weight")):
+                t[k][:] = 0
+        h = t[p + "embed_tokens.weight"].shape[1]
+        t["mtp.fc.weight"] = np.concatenate([np.eye(h, dtype=np.float32), np.zeros((h, h), np.float32)], axis=1)
+        t["mtp.pre_fc_norm_embedding.weight"][:] = 0  # zero-centred: x * 1
+        t["mtp.layers.0.self_attn.o_proj.weight"][:] = 0
+        t["mtp.layers.0.mlp.down_proj.weight"][:] = 0
+        t["mtp.norm.weight"] = t[p + "norm.weight"].copy()
+        if head == "close":
+            noise = np.random.default_rng(9).standard_normal(h).astype(np.float32)
+            t["mtp.norm.weight"] += np.float32(0.25) * noise
+
+    return edit
 
 
 def copy_with_config(folder: Path, dest: Path, change: Any) -> Path:

@@ -40,3 +40,22 @@ def sequence_chi_square(engine, prompt: Sequence[int], sampling: SamplingOptions
     if exp[-1] < 1e-9:  # nothing left to pool
         obs, exp = obs[:-1], exp[:-1]
     return stats.chisquare(obs, exp), list(zip(keys, obs, exp))
+
+
+def sample_sequences(engine, prompt: Sequence[int], sampling: SamplingOptions, speculation, n: int,
+                     length: int) -> tuple[Counter, int, int]:
+    """(counts of the first `length` tokens, drafted, accepted) over `n` generations seeded 0..n-1
+    (a token more is asked for: a step drafts at most the tokens before its last)."""
+    from dataclasses import replace
+
+    from edgeinfer import GenerateOptions
+
+    observed: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(n):
+        done = engine.generate(list(prompt), GenerateOptions(max_tokens=length + 1, sampling=replace(sampling, seed=seed),
+                                                             speculation=speculation)).result()
+        observed[tuple(done.tokens[:length])] += 1
+        drafted += done.stats.speculation.drafted
+        accepted += done.stats.speculation.accepted
+    return observed, drafted, accepted

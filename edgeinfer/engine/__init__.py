@@ -16,9 +16,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from .session import RestoreResult, SessionInfo, conversation_tokens, face_ident
 from .slot import RequestSlot
 from .tools import ToolGeneration
 from .speculation import CostModel, measure_costs
+from .speculation.head_models import mtp_layers
 
 __all__ = ["Engine", "Generation", "load"]
 
@@ -98,17 +100,30 @@ def _speculation_options(spec: SpeculationOptions | str) -> SpeculationOptions:
 class _EngineSpeculation:
     """The engine's side of speculation as a generation sees it (generation.SpeculationSource)."""
 
-    def __init__(self, runtime: LlamaRuntime, drafts: DraftModels):
+    def __init__(self, runtime: LlamaRuntime, drafts: DraftModels, slot: RequestSlot, scheduler: Scheduler):
         self.runtime = runtime
         self.drafts = drafts
+        self.slot = slot
+        self.scheduler = scheduler
 
     def is_ready(self, spec: SpeculationOptions) -> bool:
-        # A recurrent target gets no drafter at all (the face warns): nothing to prepare.
-        return self.runtime.facts.recurrent or self.drafts.is_ready(spec)
+        return self.drafts.is_ready(spec)
 
     def prepare(self, spec: SpeculationOptions, progress: ProgressCallback | None, cancel: CancelToken) -> None:
         if not self.is_ready(spec):
-            self.drafts.prepare(spec, progress, cancel)
+            self.drafts.prepare(spec, progress, cancel, exclusive=self._exclusive)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The context to itself (a head links to it; a hybrid model's is made again: then empty)."""
+        with self.slot.hold():
+            epoch = self.runtime.epoch
+            try:
+                yield
+            finally:
+                if self.runtime.epoch != epoch:
+                    for s in self.scheduler.slots:
+                        s.seq.forget()
 
 
 class Engine(ModelFace):
@@ -139,14 +154,14 @@ class Engine(ModelFace):
         self.options = options
         self.store = store or Store()
         self._closed = False
-        self._runtime = LlamaRuntime(self.path, options)
+        self._runtime = LlamaRuntime(self.path, options, load_mtp=mtp_layers(info) > 0)
         self._note_placement()
         self._slot = RequestSlot(self._runtime)
         self._drafts = DraftModels(TargetModel(self.name, self.path, info, manifest, self.store, options),
                                    self._runtime)
-        self._speculation = _EngineSpeculation(self._runtime, self._drafts)
         self._scheduler = Scheduler(self._runtime, 1, self._stored_costs(), drafts=self._drafts.context,
-                                    abortable=True)
+                                    abortable=True, heads=self._drafts.heads)
+        self._speculation = _EngineSpeculation(self._runtime, self._drafts, self._slot, self._scheduler)
 
     @property
     def closed(self) -> bool:
@@ -192,10 +207,13 @@ class Engine(ModelFace):
         """Make the draft model a speculation needs ready before generating with it.
 
         `speculation` is SpeculationOptions or the CLI form ("lookup", "draft=MODEL",
-        "self=Q4_K_M"). A self-draft is taken from the store or, on first use, made by the
-        quantizer and registered (seconds to minutes); a draft model is validated, loaded and
-        checked against this model's vocabulary. `progress` receives SpeculationProgress events
-        (stage "quantize" with done/total tensors, "load", "ready") from the working thread;
+        "self=Q4_K_M", "mtp", "eagle3=MODEL"). A self-draft is taken from the store or, on first
+        use, made by the quantizer and registered (seconds to minutes); a draft model is validated,
+        loaded and checked against this model's vocabulary; a head (mtp: the model's own MTP layer;
+        eagle3: an EAGLE-3 drafter for it) is linked to the model's context, and a hybrid model
+        (Qwen3.5) first gets rollback snapshots, which empties its cache. `progress` receives
+        SpeculationProgress events (stage "quantize" with done/total tensors, "load", "ready") from
+        the working thread;
         `cancel` (an Event or a callable) stops it between tensors with `Cancelled`. Returns at
         once when there is nothing to prepare (off, lookup, auto without a draft model, or
         already prepared). A generation whose speculation was not prepared prepares it itself,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -49,6 +50,7 @@ from .sequence import KVSequence
 from .session import RestoreResult, SessionInfo, conversation_tokens, face_identity
 from .tools import ToolGeneration
 from .speculation.calibration import IdleCalibration
+from .speculation.head_models import mtp_layers
 from .speculation.policy import CostModel, plan_drafts
 
 __all__ = [
@@ -152,7 +154,7 @@ class BatchEngine(ModelFace):
         self.batch_options = (batch or BatchOptions()).validate()
         self.store = store or Store()
         n = self.batch_options.parallel
-        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n)
+        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp_layers(info) > 0)
         self._note_placement()
         rt = self._runtime
         if rt.n_ctx // n < 16:
@@ -163,7 +165,8 @@ class BatchEngine(ModelFace):
         self.speculation = SpeculationOptions()
         given = self.batch_options.cost_curve
         costs = CostModel(dict(given)) if given is not None else self._stored_costs()
-        self._core = Scheduler(rt, n, costs, drafts=self._drafts.context, margin=self.batch_options.margin,
+        self._core = Scheduler(rt, n, costs, drafts=self._drafts.context, heads=self._drafts.heads,
+                               margin=self.batch_options.margin,
                                draft_max_rows=self.batch_options.draft_max, max_backlog=self.batch_options.max_backlog,
                                prefill_chunk=self.batch_options.prefill_chunk)
         calibrate = self.batch_options.calibrate_when_idle and given is None and IdleCalibration.needed(costs, rt.n_batch)
@@ -233,8 +236,8 @@ class BatchEngine(ModelFace):
         use) and make it the engine's method: requests may then use it, or off, or lookup."""
         self._check_open()
         spec = SpeculationOptions.parse(speculation) if isinstance(speculation, str) else speculation.validate()
-        if not self._runtime.facts.recurrent:
-            self._drafts.prepare(spec, progress)
+        # A head, or a hybrid model's rollback snapshots, change the context: only before the thread runs.
+        self._drafts.prepare(spec, progress, exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
         self.speculation = spec
 
     def _check_speculation(self, spec: SpeculationOptions) -> None:

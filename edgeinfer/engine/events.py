@@ -99,6 +99,7 @@ class SpeculationStats:
     per_position_accepted: list[int] = field(default_factory=list)
     plain_steps: int = 0  # steps where the policy drafted nothing (no match, or it would not pay)
     note: str = ""  # why a drafter was switched off, when it was
+    draft_cost: float = 0.0  # a draft model's or head's drafted token, in target steps (measured; 0: none)
 
     @property
     def acceptance_rate(self) -> float:
@@ -136,6 +137,7 @@ class SpeculationStats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "steps": self.steps,
             "plain_steps": self.plain_steps,
+            **({"draft_cost": self.draft_cost} if self.draft_cost else {}),
             **({"note": self.note} if self.note else {}),
         }
 

@@ -129,19 +129,23 @@ class LlamaRuntime:
     only, where one unified cache makes every row attend over all of them (four 500-token prompts
     prefilled together: 4x the attention). Any mix of sequences still decodes as one ubatch."""
 
-    def __init__(self, path: Path, options: LoadOptions, n_seq_max: int = 1):
+    def __init__(self, path: Path, options: LoadOptions, n_seq_max: int = 1, *, load_mtp: bool = False,
+                 rollback: int = 0):
         ll = backend()
         self._ll = ll
         self.path = path
         self.options = options
         self.n_seq_max = n_seq_max
         self.model = self.ctx = self.batch = None
+        self.epoch = 0  # bumped when the context is made again (enable_rollback): every cache is empty then
         # Unpinned threads follow the cores that other processes leave free (edgeinfer.cpu).
         self._governor = ThreadGovernor(self._set_threads) if options.pinned_threads is None else None
         if self._governor is not None:
             self._governor.start()  # the load's duration is the first sample window
         mparams = set_fields(ll.llama_model_default_params(), load_mode=ll.LLAMA_LOAD_MODE_MMAP,
                              **options.placement_fields(ll, path))  # GPUs, RPC workers: edgeinfer.devices
+        if load_mtp:  # the MTP layer's weights too (an MTP context on a model loaded without them aborts)
+            set_fields(mparams, load_mtp=True)
         said: list[str] = []
         with log_capture(lambda _level, text: said.append(text)):
             self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
@@ -160,6 +164,7 @@ class LlamaRuntime:
                 size_bytes=ll.llama_model_size(self.model),
                 recurrent=bool(ll.llama_model_is_recurrent(self.model) or ll.llama_model_is_hybrid(self.model)),
             )
+            self.n_nextn = int(ll.llama_model_n_layer_nextn(self.model)) if load_mtp else 0  # MTP layers loaded
             n_ctx = options.n_ctx or min(self.facts.n_ctx_train, 4096)
             if n_ctx > self.facts.n_ctx_train:
                 raise ContextLengthError(
@@ -184,6 +189,9 @@ class LlamaRuntime:
                 flash_attn_type=_FLASH_ATTN[flash],
                 no_perf=True,
             )
+            if rollback and self.facts.recurrent:
+                set_fields(cparams, n_rs_seq=rollback)
+            self.cparams = cparams
             # Cancellation reaches into a long llama_decode (a big prefill) through this flag; the
             # callback is installed only around prefills (see `abortable`), since ggml calls it once
             # per graph node and a Python call per node would tax every decode step.
@@ -196,6 +204,7 @@ class LlamaRuntime:
                 raise InvalidModelError(f"{path.name}: llama.cpp could not create a context (n_ctx={n_ctx}, kv={kv_k}/{kv_v})")
             self.n_ctx = ll.llama_n_ctx(self.ctx)
             self.memory = ll.llama_get_memory(self.ctx)
+            self.n_rs_seq = int(ll.llama_n_rs_seq(self.ctx)) if self.facts.recurrent else 0
             require_fields(ll.llama_batch, "n_tokens", "token", "pos", "n_seq_id", "seq_id", "logits")
             self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
             self._piece_buf = ctypes.create_string_buffer(256)
@@ -238,6 +247,28 @@ class LlamaRuntime:
         if getattr(self, "model", None):
             ll.llama_model_free(self.model)
             self.model = None
+
+    def enable_rollback(self, n: int) -> bool:
+        """A recurrent/hybrid model's context that can drop up to `n` positions just decoded (llama.cpp
+        keeps that many recurrent-state snapshots per sequence, n_rs_seq): the context is made again
+        when it has fewer, which empties every sequence (`epoch` says so); the caller holds the
+        context. False when the architecture keeps no snapshots (llama.cpp clamps n_rs_seq to 0).
+        An attention-only model drops any suffix already: True."""
+        self._check_open()
+        if not self.facts.recurrent or self.n_rs_seq >= n:
+            return not self.facts.recurrent or self.n_rs_seq > 0
+        ll = self._ll
+        cparams = type(self.cparams).from_buffer_copy(self.cparams)
+        set_fields(cparams, n_rs_seq=n, n_threads=self.threads, n_threads_batch=self.threads)
+        ctx = ll.llama_init_from_model(self.model, cparams)
+        if not ctx:
+            raise InvalidModelError(f"{self.path.name}: llama.cpp could not make a context with {n} rollback snapshots")
+        ll.llama_free(self.ctx)
+        self.ctx, self.cparams = ctx, cparams
+        self.memory = ll.llama_get_memory(ctx)
+        self.n_rs_seq = int(ll.llama_n_rs_seq(ctx))
+        self.epoch += 1
+        return self.n_rs_seq > 0
 
     # -- cancellation ----------------------------------------------------------------------------
     def _should_abort(self, _data: object) -> bool:

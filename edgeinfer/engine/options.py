@@ -37,7 +37,7 @@ __all__ = [
 
 KVType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 KV_TYPES: tuple[str, ...] = KV_TYPE_NAMES  # edgeinfer.kv_types: the one list
-SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "draft", "self", "auto")
+SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "draft", "self", "auto", "mtp", "eagle3")
 
 _INT32_MAX = 2**31 - 1  # llama.cpp takes counts and sizes as int32/uint32: larger ones would wrap
 
@@ -208,10 +208,12 @@ class SpeculationOptions:
 
     method: off | lookup (n-grams from prompt + output) | draft (a smaller model, `draft_model`)
             | self (a quantized copy of the target, `self_quant`) | auto (pick what pays)
+            | mtp (the model's own multi-token-prediction layer, e.g. Qwen3.5's)
+            | eagle3 (an EAGLE-3 drafter for this model, `draft_model`)
     """
 
     method: str = "off"
-    draft_model: str | None = None  # store ref or path, for method="draft"
+    draft_model: str | None = None  # store ref or path, for method="draft" and "eagle3" (auto: optional)
     self_quant: str = "Q3_K_M"  # quant type of the self-draft copy, for method="self"
     draft_max: int = 32
     draft_min: int = 0
@@ -230,8 +232,8 @@ class SpeculationOptions:
             raise InvalidOptionError(
                 f"unknown speculation method {self.method!r}: choose one of {', '.join(SPECULATION_METHODS)}"
             )
-        if self.method == "draft" and not self.draft_model:
-            raise InvalidOptionError("speculation method 'draft' needs a draft model (draft=MODEL)")
+        if self.method in ("draft", "eagle3") and not self.draft_model:
+            raise InvalidOptionError(f"speculation method {self.method!r} needs a drafter model ({self.method}=MODEL)")
         if not 1 <= self.draft_max <= 64:
             raise InvalidOptionError(f"draft_max must be in [1, 64], got {self.draft_max}")
         if not 0 <= self.draft_min <= self.draft_max:
@@ -242,13 +244,13 @@ class SpeculationOptions:
 
     @classmethod
     def parse(cls, spec: str, **overrides: object) -> SpeculationOptions:
-        """Parse the CLI form: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M
-        (auto=MODEL: auto may also draft with MODEL where it pays)."""
+        """Parse the CLI form: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp
+        | eagle3=MODEL (auto=MODEL: auto may also draft with MODEL where it pays)."""
         _instance("", "speculation", spec, str, "a string like 'lookup' or 'self=Q4_K_M'")
         spec = spec.strip()
         method, _, arg = spec.partition("=")
         kw: dict[str, object] = {"method": method}
-        if method == "draft" or (method == "auto" and arg):
+        if method in ("draft", "eagle3") or (method == "auto" and arg):
             kw["draft_model"] = arg or None
         elif method == "self":
             if arg:

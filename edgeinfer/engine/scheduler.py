@@ -37,13 +37,15 @@ from .sampler import Sampler
 from .sequence import KVSequence, common_prefix
 from .speculation.draft_model import DraftContext
 from .speculation.drafter import Proposal, RequestSpeculation
+from .speculation.heads import HeadContext
 from .speculation.policy import CostModel, plan_drafts
 
 __all__ = ["Scheduler", "Slot", "StepCounters"]
 
 log = logging.getLogger(__name__)
 
-DraftSource = Callable[[SpeculationOptions], "DraftContext | None"]
+DraftSource = Callable[[SpeculationOptions], "DraftContext | HeadContext | None"]
+HeadSource = Callable[[], "list[HeadContext]"]
 
 
 @dataclass
@@ -76,12 +78,14 @@ class Scheduler:
 
     def __init__(self, runtime: LlamaRuntime, n_slots: int, costs: CostModel, *,
                  drafts: DraftSource | None = None, abortable: bool = False, margin: float = 0.03,
-                 draft_max_rows: int = 64, max_backlog: int | None = None, prefill_chunk: int | None = None):
+                 draft_max_rows: int = 64, max_backlog: int | None = None, prefill_chunk: int | None = None,
+                 heads: HeadSource | None = None):
         self.runtime = runtime
         self.slots = [Slot(i, KVSequence(runtime, i)) for i in range(n_slots)]
         self.slot_ctx = runtime.n_ctx // n_slots
         self.costs = costs
         self.drafts = drafts
+        self.heads = heads  # drafting heads: each sees every row the target decodes (speculation/heads.py)
         self.abortable = abortable  # a cancel may interrupt a decode (one request at a time only)
         self.margin = margin
         self.draft_max_rows = draft_max_rows
@@ -176,6 +180,8 @@ class Scheduler:
                 self._fail(r, e)
             return True
         t_decode = time.perf_counter() - t0
+        for head in self.heads() if self.heads is not None else ():
+            head.after_decode(rows)  # the hidden states of every row, prompt chunks included
         self.counters.steps += 1
         self.counters.rows += len(rows)
 
@@ -244,19 +250,22 @@ class Scheduler:
             assert r.seq is not None
             room = min(self.slot_ctx - len(r.seq) - 1, r.options.max_tokens - len(r.generated) - 1,
                        self.draft_max_rows)
+            if self.runtime.facts.recurrent:  # a hybrid target rolls back at most n_rs_seq positions
+                room = min(room, self.runtime.n_rs_seq)
             out[i] = spec.propose(r.history, room, r.seq.seq_id) if room > 0 else None
         planned = [p for p in out if p is not None and not p.fixed]
         base = base_rows + sum(p.limit for p in out if p is not None and p.fixed)
         if planned:
             costs = self.costs
-            models = [j for j, p in enumerate(planned) if p.kind == "model"]
+            models = [j for j, p in enumerate(planned) if p.kind in ("model", "head")]
 
-            def drafting(counts: list[int]) -> float:  # a draft model's decodes, one per position drafted
-                total, j = 0.0, 1
-                while at := [m for m in models if counts[m] >= j]:
-                    context = planned[at[0]].context
-                    total += max(planned[m].draft_cost for m in at) * costs.time(1) * context.costs.shape(len(at))
-                    j += 1
+            def drafting(counts: list[int]) -> float:  # each drafter's decodes, one per position drafted
+                total = 0.0
+                for context in {id(planned[m].context): planned[m].context for m in models}.values():
+                    mine, j = [m for m in models if planned[m].context is context], 1
+                    while at := [m for m in mine if counts[m] >= j]:
+                        total += max(planned[m].draft_cost for m in at) * costs.time(1) * context.costs.shape(len(at))
+                        j += 1
                 return total
 
             counts = plan_drafts([p.gains for p in planned], base, lambda b: costs.time(b) * costs.optimism(b),
@@ -267,10 +276,10 @@ class Scheduler:
             if p is not None:
                 p.k = p.policy.settle(p.k, p.limit, p.gains, p.draft_cost)
         jobs = [p for p in out if p is not None and p.job is not None and p.k > 0]
-        if jobs:
-            for p in jobs:
-                p.job.k = p.k  # type: ignore[union-attr]
-            jobs[0].context.draft([p.job for p in jobs])  # type: ignore[union-attr,misc]
+        for p in jobs:
+            p.job.k = p.k  # type: ignore[union-attr]
+        for context in {id(p.context): p.context for p in jobs}.values():  # a draft model, a head: each batched
+            context.draft([p.job for p in jobs if p.context is context])  # type: ignore[union-attr,misc]
         for p in out:
             if p is not None and p.job is not None:
                 p.tokens = p.job.tokens
@@ -322,15 +331,20 @@ class Scheduler:
         self.active.append(r)
         r.sampler = Sampler.for_request(rt, r.options)
         spec = r.options.speculation
-        if spec.method != "off" and not rt.facts.recurrent:
+        if spec.method != "off" and (not rt.facts.recurrent or rt.n_rs_seq > 0):
             stats = SpeculationStats()
             draft = self.drafts(spec) if self.drafts is not None else None
             r.speculation = RequestSpeculation(spec, self.costs, stats, draft, r.sampler)
             stats.method = r.speculation.method
             r.stats.speculation = stats
             r.sampled_drafts = r.speculation.sampled
+        elif spec.method != "off":  # a recurrent/hybrid context without rollback snapshots: plain, and said
+            r.stats.speculation = SpeculationStats(method=spec.method, note="speculation off: this model's recurrent "
+                                                   "memory cannot drop a rejected draft (no rollback snapshots)")
         prompt, seq = r.prompt, slot.seq
         n_keep = common_prefix(seq.cached, prompt)
+        if r.speculation is not None:  # a head follows on only from what it saw
+            n_keep = min(n_keep, r.speculation.reusable(seq))
         saved = seq.saved_logits
         restorable = saved is not None and saved[0] == prompt
         if n_keep == len(prompt) and restorable and seq.truncate(len(prompt)) == len(prompt):

@@ -70,14 +70,30 @@ class KVSequence:
         return n_keep
 
     def drop_suffix(self, n_keep: int) -> None:
-        """Drop a rejected draft suffix: refused where the memory cannot drop one."""
-        if n_keep < len(self.cached) and not self.can_drop_suffix:
-            raise SpeculationError(
-                f"{self.runtime.path.name}: this model's memory cannot drop a suffix (recurrent/hybrid)")
-        self.truncate(n_keep)
+        """Drop a rejected draft suffix. A recurrent/hybrid model's memory rolls back only right
+        after the decode that wrote the suffix, at most n_rs_seq positions (its snapshots): refused
+        beyond that, and where llama.cpp refuses."""
+        n_drop = len(self.cached) - n_keep
+        if n_drop <= 0 or self.can_drop_suffix:
+            self.truncate(n_keep)
+            return
+        name = self.runtime.path.name
+        if n_drop > self.runtime.n_rs_seq:
+            raise SpeculationError(f"{name}: this model's recurrent memory rolls back {self.runtime.n_rs_seq} "
+                                   f"positions, not {n_drop}")
+        if not self.runtime.seq_rm(self.seq_id, n_keep):
+            raise SpeculationError(f"{name}: llama.cpp refused to roll sequence {self.seq_id} back to {n_keep}")
+        if self.saved_logits is not None and n_keep < len(self.saved_logits[0]):
+            self.saved_logits = None
+        del self.cached[n_keep:]
 
     def clear(self) -> None:
         self.truncate(0)
+        self.saved_logits = None
+
+    def forget(self) -> None:
+        """The context was made again (LlamaRuntime.enable_rollback): it holds nothing of this sequence."""
+        self.cached.clear()
         self.saved_logits = None
 
     def rows(self, tokens: Sequence[int], logits_from: int | None = None, into: DecodeRows | None = None) -> DecodeRows:

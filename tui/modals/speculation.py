@@ -7,10 +7,14 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 
+from edgeinfer.engine.speculation.head_models import mtp_layers
+
 from ..settings import SPECULATION_CHOICES, SpeculationSettings
 from .base import FormDialog, parse_number
 
 __all__ = ["SpeculationScreen"]
+
+_MTP_CHOICE = ("mtp", "The model's MTP head")  # listed when the loaded model has an MTP layer (Qwen3.5)
 
 
 class SpeculationScreen(FormDialog):
@@ -19,13 +23,24 @@ class SpeculationScreen(FormDialog):
     AUTO_FOCUS = "#spec-method"
 
     def __init__(self, settings: SpeculationSettings, show_drafted: bool, models: list[str], *,
-                 save_keys: str = "ctrl+t"):
+                 save_keys: str = "ctrl+t", has_mtp: bool | None = None):
         """`save_keys`: the keys that apply it (the chat's Speculation key, which opened it: never
-        the Settings key, Ctrl+S)."""
+        the Settings key, Ctrl+S). `has_mtp`: whether to offer the model's MTP head (None: when the
+        app's loaded model has one)."""
         super().__init__(save_keys)
         self.settings = settings
         self.show_drafted = show_drafted
         self.models = models
+        self.has_mtp = has_mtp
+
+    def _choices(self) -> list[tuple[str, str]]:
+        has_mtp = self.has_mtp
+        if has_mtp is None:
+            loaded = getattr(getattr(self.app, "models", None), "loaded", None)
+            info = getattr(getattr(loaded, "engine", None), "info", None)
+            has_mtp = info is not None and mtp_layers(info) > 0
+        offered = [*SPECULATION_CHOICES, _MTP_CHOICE] if has_mtp or self.settings.method == "mtp" else SPECULATION_CHOICES
+        return [(label, m) for m, label in offered]
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -36,7 +51,7 @@ class SpeculationScreen(FormDialog):
             yield Label(f"Speculative decoding  ({self.keys_hint.replace('save', 'apply')})", classes="title")
             with Horizontal(classes="field"):
                 yield Label("Method")
-                yield Select([(label, m) for m, label in SPECULATION_CHOICES], value=s.method, allow_blank=False, id="spec-method")
+                yield Select(self._choices(), value=s.method, allow_blank=False, id="spec-method")
             with Horizontal(classes="field"):
                 yield Label("Draft model")
                 yield Select(draft_options, value=s.draft_model if s.draft_model else Select.NULL, id="spec-draft")

@@ -7,6 +7,8 @@ a step together, verifies them in one `llama_decode` and keeps those the target 
     policy.py       cost model, acceptance model, length policy, the batch's draft plan (pure Python)
     lookup.py       prompt lookup: the n-gram index (pure Python)
     draft_model.py  a second model drafting in its own context, one sequence per slot
+    heads.py        drafting heads that read the target's hidden states (MTP layer, EAGLE-3)
+    head_models.py  opening a head for a target, after the checks llama.cpp would abort on
     calibration.py  the target's measured decode cost by batch size, kept in the store
     drafter.py      one request's speculation: its proposals and what it learns
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from .calibration import calibrate_costs, fit_costs, measure_costs
 from .draft_model import DraftContext, ModelDrafter, check_draft_compatible, relative_draft_cost
 from .drafter import Proposal, RequestSpeculation
+from .heads import Eagle3Head, HeadContext, HeadDrafter, MtpHead
 from .lookup import LookupDrafter, NgramIndex
 from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost, plan_drafts
 
@@ -28,6 +31,10 @@ __all__ = [
     "LookupDrafter",
     "DraftContext",
     "ModelDrafter",
+    "HeadContext",
+    "MtpHead",
+    "Eagle3Head",
+    "HeadDrafter",
     "Proposal",
     "RequestSpeculation",
     "check_draft_compatible",

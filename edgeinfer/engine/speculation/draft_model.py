@@ -17,7 +17,7 @@ from ..sampler import Sampler, TokenDistribution
 from ..sequence import KVSequence, common_prefix
 from .policy import CostModel, LengthPolicy
 
-__all__ = ["DraftContext", "DraftJob", "ModelDrafter", "check_draft_compatible", "relative_draft_cost"]
+__all__ = ["DraftContext", "DraftJob", "ModelDrafter", "check_draft_compatible", "relative_draft_cost", "draft_token"]
 
 # llama.cpp's own compatibility rule for a draft vocabulary (common/speculative.cpp).
 _VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -92,6 +92,28 @@ class DraftJob:
     tokens: list[int] = field(default_factory=list)
     qs: list[TokenDistribution] = field(default_factory=list)  # q of each token when sampled
     seconds: float = 0.0  # its share of the drafting decodes
+    catch_up_s: float = 0.0  # of which a head spent catching up on a backlog (not a drafted token's cost)
+
+
+def draft_token(row: np.ndarray, job: DraftJob, fork: Sampler | None) -> int | None:
+    """The next draft token from a logits row, or None where p_min says stop (never before the
+    first token). Stopping depends only on q, before its token is drawn: the rule stays exact.
+    (A draft model's and a head's drafts alike.)"""
+    if job.sampled and fork is not None:
+        q = fork.distribution(row)
+        if q.top < job.p_min and job.tokens:
+            return None
+        job.qs.append(q)
+        tok = q.draw(fork.rng)
+    else:
+        tok = int(fork.distribution(row).ids[0]) if fork is not None else int(np.argmax(row))  # (greedy: one-hot)
+        if job.p_min > 0 and job.tokens:
+            z = row - row[tok]
+            if 1.0 / float(np.exp(z, dtype=np.float32).sum()) < job.p_min:
+                return None
+    if fork is not None:
+        fork.accept(tok)
+    return tok
 
 
 class DraftContext:
@@ -153,7 +175,7 @@ class DraftContext:
             still = []
             for j, row in zip(active, lasts):
                 self.seqs[j.slot].committed(pending[id(j)])
-                tok = self._next(rt.logits_row(row), j, forks.get(id(j)))
+                tok = draft_token(rt.logits_row(row), j, forks.get(id(j)))
                 if tok is None:
                     continue
                 j.tokens.append(tok)
@@ -161,26 +183,6 @@ class DraftContext:
                 if len(j.tokens) < j.k:
                     still.append(j)
             active = still
-
-    @staticmethod
-    def _next(row: np.ndarray, job: DraftJob, fork: Sampler | None) -> int | None:
-        """The next draft token from a logits row, or None where p_min says stop (never before the
-        first token). Stopping depends only on q, before its token is drawn: the rule stays exact."""
-        if job.sampled and fork is not None:
-            q = fork.distribution(row)
-            if q.top < job.p_min and job.tokens:
-                return None
-            job.qs.append(q)
-            tok = q.draw(fork.rng)
-        else:
-            tok = int(fork.distribution(row).ids[0]) if fork is not None else int(np.argmax(row))  # (greedy: one-hot)
-            if job.p_min > 0 and job.tokens:
-                z = row - row[tok]
-                if 1.0 / float(np.exp(z, dtype=np.float32).sum()) < job.p_min:
-                    return None
-        if fork is not None:
-            fork.accept(tok)
-        return tok
 
     def release(self, slot: int) -> None:
         """Nothing to free per request: the slot's sequence keeps its cache for the next one."""

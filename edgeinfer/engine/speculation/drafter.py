@@ -17,6 +17,7 @@ from ..options import SpeculationOptions
 from ..sampler import Sampler
 from ..sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
+from .heads import HeadContext, HeadDrafter
 from .lookup import NgramIndex
 from .policy import CostModel, LengthPolicy
 
@@ -35,30 +36,34 @@ def speculation_method(spec: SpeculationOptions) -> str:
 class Proposal:
     """What one request could draft this step."""
 
-    kind: Literal["lookup", "model"]
+    kind: Literal["lookup", "model", "head"]
     policy: LengthPolicy
     limit: int  # most rows it may draft
     gains: list[float]  # expected tokens each row would add
     tokens: list[int] = field(default_factory=list)  # lookup: the continuation found; model: after drafting
-    draft_cost: float = 0.0  # a drafted token's cost in target steps (a draft model's decodes)
+    draft_cost: float = 0.0  # a drafted token's cost in target steps (a draft model's or a head's decodes)
     fixed: bool = False  # a fixed length the user asked for (adaptive off): not planned
     k: int = 0  # what the step's plan gave it
     job: DraftJob | None = None  # a draft model's work, once planned
-    context: DraftContext | None = None  # the draft model's context (kind "model")
+    context: DraftContext | HeadContext | None = None  # the draft model's or head's context
 
 
 class RequestSpeculation:
-    """A request's drafters (lookup and/or a draft model), their policies and statistics."""
+    """A request's drafters (lookup and/or a draft model or head), their policies and statistics."""
 
     def __init__(self, spec: SpeculationOptions, costs: CostModel, stats: SpeculationStats,
-                 draft: DraftContext | None, sampler: Sampler | None):
+                 draft: DraftContext | HeadContext | None, sampler: Sampler | None):
         self.spec = spec
         self.stats = stats
         self.method = speculation_method(spec)
         self.lookup: NgramIndex | None = NgramIndex() if spec.method in ("lookup", "auto") else None
         self.lookup_policy = LengthPolicy(costs, spec) if self.lookup is not None else None
         self.model: ModelDrafter | None = None
-        if draft is not None and spec.method in ("draft", "self", "auto"):
+        if isinstance(draft, HeadContext) and spec.method in ("mtp", "eagle3", "auto"):
+            # A head drafts from the target's own states (its catching up is one batched decode):
+            # the same policy as a draft model, the same limit on unprofitable explorations.
+            self.model = HeadDrafter(draft, LengthPolicy(costs, spec, max_failed_explorations=2), spec.p_min)
+        elif draft is not None and spec.method in ("draft", "self", "auto"):
             self.model = ModelDrafter(draft, LengthPolicy(costs, spec, max_failed_explorations=2), spec.p_min,
                                       draft.method if spec.method == "auto" else self.method)
         # A draft model follows the request's constraints (its sampler's forks); at T > 0 it samples
@@ -78,6 +83,13 @@ class RequestSpeculation:
         if self.model is not None:
             self.model.start(target, slot)
             self._report()
+
+    def reusable(self, seq: KVSequence) -> int:
+        """How much of the slot's cached sequence a new request may keep: all of it, except what a
+        head did not see (then the target reads the rest again, and the head with it)."""
+        if isinstance(self.model, HeadDrafter):
+            return self.model.head.reusable(seq.seq_id, seq.cached)
+        return len(seq.cached)
 
     def refresh_due(self) -> bool:
         return any([p.refresh_due() for p in self.policies()])
@@ -101,7 +113,8 @@ class RequestSpeculation:
             policy = model.policy
             limit = policy.limit(room)
             if limit > 0:
-                proposal = Proposal("model", policy, limit, policy.gains(limit), draft_cost=model.draft_cost(),
+                kind = "head" if isinstance(model, HeadDrafter) else "model"
+                proposal = Proposal(kind, policy, limit, policy.gains(limit), draft_cost=model.draft_cost(),
                                     fixed=not policy.opts.adaptive)
                 rate = _best_rate(proposal)
                 if best is None or rate > best_rate:
@@ -126,7 +139,10 @@ class RequestSpeculation:
         self.stats.record(n_drafted, n_accepted)
         if proposal.job is not None and self.model is not None:
             self.model.drafted(proposal.job)
+            self.stats.draft_cost = round(self.model.draft_cost(), 4)
             self._report()
+            if isinstance(self.model, HeadDrafter):  # the target now holds history[:-1]: so does the head
+                self.model.head.accept(proposal.job.slot, len(proposal.job.history) - 1)
 
     def _report(self) -> None:
         """Say in the stats when the draft model switched itself off (at start or later)."""
