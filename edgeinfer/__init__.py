@@ -64,6 +64,16 @@ from .kv_types import KV_CACHE_TYPES, KV_TYPE_NAMES, KVCacheType
 from .hub import DiskUsage, DiskUsageRow, DownloadProgress, disk_usage, purge_cache
 from .pull import PullEvent, PullPlan, PullResult, PullStage, plan, pull, pull_source
 from .store import DEFAULT_MODEL, ModelManifest, Store
+from .service import (
+    Lease,
+    ModelNotLoadedError,
+    ModelService,
+    ModelSettings,
+    ModelStatus,
+    ModelTooLargeError,
+    NoRoomError,
+    ServiceOptions,
+)
 
 __version__ = "0.1.0"
 
@@ -104,6 +114,15 @@ __all__ = [
     # saved conversations (engine.save_session / restore_session, BatchEngine.save_slot / restore_slot)
     "SessionInfo",
     "RestoreResult",
+    # many models by name (servers): loaded on demand, kept warm, evicted by memory
+    "ModelService",
+    "ServiceOptions",
+    "ModelSettings",
+    "ModelStatus",
+    "Lease",
+    "NoRoomError",
+    "ModelTooLargeError",
+    "ModelNotLoadedError",
     # embeddings (engine.embed)
     "EmbedOptions",
     "EmbeddingResult",
