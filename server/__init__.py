@@ -1,12 +1,13 @@
-"""`edgeinfer serve`: an OpenAI-compatible HTTP server over edgeinfer's BatchEngine.
+"""`edgeinfer serve`: an OpenAI-compatible HTTP server over edgeinfer's ModelService (BatchEngines by name).
 
 Installed as `edgeinfer_server` (from the `server/` folder) with the `serve` extra; it uses only
 edgeinfer's public API, and edgeinfer itself never imports it or any web framework.
 
     config = edgeinfer_server.ServerConfig(port=8080)
     sock = edgeinfer_server.bind(config.host, config.port)    # a taken port fails before the load
-    engine = edgeinfer.BatchEngine.load(None, batch=edgeinfer.BatchOptions(parallel=4))
-    edgeinfer_server.serve(engine, config, sock=sock)
+    with edgeinfer.ModelService(edgeinfer.ServiceOptions(max_loaded=2)) as models:
+        models.preload(None)                                  # the default model, loaded now
+        edgeinfer_server.serve(models, config, sock=sock)
 """
 
 from __future__ import annotations

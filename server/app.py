@@ -1,4 +1,4 @@
-"""The Starlette application: OpenAI routes over a BatchEngine.
+"""The Starlette application: OpenAI routes over edgeinfer's ModelService (a BatchEngine per model).
 
 Each request is tokenized in a worker thread, queued on the engine, and its events are read
 without blocking the event loop (the engine's scheduler thread calls back, the handler drains
@@ -7,8 +7,10 @@ its request at once, which frees its slot at the engine's next step. A slow read
 own bounded event buffer (the engine pauses that request), never the others'; one that reads
 nothing for --stall-timeout is disconnected (server/connection.py), which cancels it.
 
-At most `parallel + max_queue` generation requests are in flight; one more gets 503 with
-Retry-After. Every request leaves one access-log line (logger `edgeinfer_server.access`).
+Each request is routed by its `model` (server/routing.py: loaded on first use, kept for its
+keep_alive, evicted when idle to make room). At most `parallel + max_queue` generation requests
+per model are in flight (that model's slots, and --max-queue waiting for them or for its load);
+one more gets 503 with Retry-After. Every request leaves one access-log line (logger `edgeinfer_server.access`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import edgeinfer
+from edgeinfer.service import ModelPlan, ModelService
 
 from . import metrics as prom
 from .browser import BrowserGuard
@@ -37,6 +40,7 @@ from .config import ServerConfig, check_credentials
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
+from .routing import acquire, keep_alive_field, model_field, models_body, plan_for, ps_body, stop_model
 from .slots import handle_slots
 from .tools import prepare_chat
 
@@ -190,23 +194,18 @@ def _note(request: Request, done: edgeinfer.DoneEvent) -> None:
 
 
 class _Service:
-    """The handlers, bound to one engine and one configuration."""
+    """The handlers, bound to one model service and one configuration."""
 
-    def __init__(self, engine: edgeinfer.BatchEngine, config: ServerConfig):
-        self.engine = engine
+    def __init__(self, models: ModelService, config: ServerConfig):
+        self.models = models
         self.config = config
         self.http = prom.HttpCounters()
         self.started = int(time.time())
-        self.in_flight = 0  # generation requests admitted and not yet over (event loop only)
-        path = engine.path
-        self.names = {engine.name, path.name, path.stem}
-        if ":" in engine.name:
-            self.names.add(engine.name.partition(":")[0])
+        self.in_flight: dict[str, int] = {}  # by model: generation requests admitted and not yet over (event loop only)
 
     # -- plumbing --------------------------------------------------------------------------------
-    @property
-    def max_tokens_limit(self) -> int:
-        return self.config.max_tokens_limit or self.engine.n_ctx_per_request
+    def max_tokens_limit(self, plan: ModelPlan) -> int:
+        return self.config.max_tokens_limit or plan.n_ctx_per_request
 
     async def read_json(self, request: Request) -> Any:
         ctype = request.headers.get("content-type", "")
@@ -235,40 +234,42 @@ class _Service:
         check_json(value)
         return value
 
-    def check_model(self, model: str | None) -> None:
-        if model is None or model in self.names:
-            return
-        known = {m.ref for m in self.engine.store.list()}
-        if model in known:
-            raise APIError(404, f"model {model!r} is in the store but this server serves {self.engine.name!r}",
-                           code="model_not_found", param="model")
-        raise APIError(404, f"the model {model!r} does not exist (this server serves {self.engine.name!r})",
-                       code="model_not_found", param="model")
-
-    def admit(self) -> Callable[[], None]:
-        """Count one more generation request in flight, or refuse it with 503 when the queue is
-        full; returns the (idempotent) release."""
-        running = self.engine.parallel
-        if self.in_flight >= running + self.config.max_queue:
-            raise APIError(503, f"the server is busy: {running} requests running and {self.config.max_queue} "
-                           "waiting (--max-queue); retry later", type="server_error", code="queue_full",
-                           headers={"Retry-After": "1"})
-        self.in_flight += 1
+    def admit(self, plan: ModelPlan) -> Callable[[], None]:
+        """Count one more generation request in flight for the model, or refuse it with 503 when
+        its queue is full; returns the (idempotent) release."""
+        running, key = plan.parallel, plan.key
+        if self.in_flight.get(key, 0) >= running + self.config.max_queue:
+            raise APIError(503, f"the server is busy: {running} requests running on {plan.name} and "
+                           f"{self.config.max_queue} waiting (--max-queue); retry later", type="server_error",
+                           code="queue_full", headers={"Retry-After": "1"})
+        self.in_flight[key] = self.in_flight.get(key, 0) + 1
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.in_flight -= 1
+                self.in_flight[key] -= 1
+                if not self.in_flight[key]:
+                    del self.in_flight[key]
 
         return release
 
     # -- generation ------------------------------------------------------------------------------
-    async def generate(self, request: Request, parsed: ParsedRequest) -> Response:
-        self.check_model(parsed.model)
-        engine = self.engine
-        release = self.admit()
+    async def generate(self, request: Request, parsed: ParsedRequest, plan: ModelPlan,
+                       keep_alive: float | None) -> Response:
+        admitted = self.admit(plan)
+        try:
+            lease = await acquire(self.models, parsed.model, keep_alive)
+        except BaseException:
+            admitted()
+            raise
+
+        def release() -> None:
+            admitted()
+            lease.release()
+
+        engine = lease.engine
         try:
             options, tools = parsed.options, None
             if parsed.kind == "chat":
@@ -287,7 +288,9 @@ class _Service:
         except edgeinfer.EdgeInferError as e:
             release()
             if engine.closed:
-                raise APIError(503, "the server is shutting down", type="server_error", code="unavailable") from None
+                what = "the server is shutting down" if self.models.closed else f"{engine.name} was unloaded"
+                raise APIError(503, what, type="server_error", code="unavailable",
+                               headers={"Retry-After": "1"}) from None
             raise from_library_error(e) from None
         except BaseException:
             release()
@@ -300,24 +303,30 @@ class _Service:
 
             return _EventStream(self._stream(request, gen, wake, responder), close)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
-        try:
-            tokens_seen: list[edgeinfer.TokenEvent] = []
-            done = None
-            async for batch in _events(gen, wake, None):
-                for e in batch:
-                    if isinstance(e, edgeinfer.DoneEvent):
-                        done = e
-                    elif isinstance(e, edgeinfer.TokenEvent):
-                        tokens_seen.append(e)
-        except edgeinfer.EdgeInferError as e:
-            raise APIError(500, str(e), type="server_error") from None
+        try:  # the lease is held until the response is built (logprobs read the model's vocabulary)
+            try:
+                tokens_seen: list[edgeinfer.TokenEvent] = []
+                done = None
+                async for batch in _events(gen, wake, None):
+                    for e in batch:
+                        if isinstance(e, edgeinfer.DoneEvent):
+                            done = e
+                        elif isinstance(e, edgeinfer.TokenEvent):
+                            tokens_seen.append(e)
+            except edgeinfer.EdgeInferError as e:
+                raise APIError(500, str(e), type="server_error") from None
+            finally:
+                watcher.cancel()
+                gen.close()
+            assert done is not None
+            _note(request, done)
+            try:
+                return JSONResponse(responder.complete(tokens_seen, done))
+            except edgeinfer.EngineClosedError:  # stopped (edgeinfer stop) before its logprobs were read
+                raise APIError(503, f"{engine.name} was unloaded while this request ran", type="server_error",
+                               code="unavailable", headers={"Retry-After": "1"}) from None
         finally:
-            watcher.cancel()
-            gen.close()
             release()
-        assert done is not None
-        _note(request, done)
-        return JSONResponse(responder.complete(tokens_seen, done))
 
     async def _stream(self, request: Request, gen, wake: asyncio.Event, responder: Responder) -> AsyncIterator[str]:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
@@ -345,36 +354,45 @@ class _Service:
     # -- routes ----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         body = await self.read_json(request)
-        return await self.generate(request, parse_chat(body, self.max_tokens_limit, self.engine.speculation))
+        plan = await plan_for(self.models, model_field(body))  # the model's context and speculation
+        keep_alive = keep_alive_field(body)
+        return await self.generate(request, parse_chat(body, self.max_tokens_limit(plan), plan.speculation), plan,
+                                   keep_alive)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
-        return await self.generate(request, parse_completion(body, self.max_tokens_limit,
-                                                             self.engine.speculation))
+        plan = await plan_for(self.models, model_field(body))
+        keep_alive = keep_alive_field(body)
+        return await self.generate(request, parse_completion(body, self.max_tokens_limit(plan), plan.speculation),
+                                   plan, keep_alive)
 
-    async def models(self, request: Request) -> Response:
-        engine = self.engine
-        data = [{"id": engine.name, "object": "model", "created": self.started, "owned_by": "edgeinfer",
-                 "edgeinfer": {"loaded": True, "parallel": engine.parallel,
-                               "n_ctx_per_request": engine.n_ctx_per_request}}]
-        for m in await run_in_threadpool(engine.store.list):
-            if m.ref != engine.name:
-                data.append({"id": m.ref, "object": "model", "created": self.started, "owned_by": "edgeinfer",
-                             "edgeinfer": {"loaded": False}})
-        return JSONResponse({"object": "list", "data": data})
+    async def models_list(self, request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(models_body, self.models, self.started))
 
     async def health(self, request: Request) -> Response:
         # Liveness for anyone (load balancers, probes); the rest only with the key, when there is one.
         if not check_credentials(self.config, request.headers.get("authorization")):
             return JSONResponse({"status": "ok"})
-        m = self.engine.metrics()
-        return JSONResponse({"status": "ok", "model": self.engine.name, "slots_busy": m.active,
-                             "slots": self.engine.parallel, "queue_depth": m.queue_depth,
-                             "calibrating": m.calibrating})
+        held = await run_in_threadpool(self.models.ps)
+        default = await run_in_threadpool(lambda: self.models.plan(None) if self.models.default_name else None)
+        return JSONResponse({
+            "status": "ok", "model": default.name if default else None, "slots": default.parallel if default else 0,
+            "slots_busy": sum(s.slots_busy for s in held), "queue_depth": sum(s.queue_depth for s in held),
+            "calibrating": any(s.calibrating for s in held),
+            "models": [{"model": s.name, "state": s.state, "slots": s.parallel, "slots_busy": s.slots_busy,
+                        "queue_depth": s.queue_depth, "calibrating": s.calibrating} for s in held]})
 
     async def metrics(self, request: Request) -> Response:
-        text = prom.render(self.engine.name, self.engine.metrics(), self.http.snapshot())
+        engines = [(e.name, e.metrics()) for e in self.models.engines()]
+        text = prom.render(engines, self.http.snapshot(), prom.ServiceGauges.of(self.models))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def ps(self, request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(ps_body, self.models))
+
+    async def stop(self, request: Request) -> Response:
+        body = await self.read_json(request)
+        return JSONResponse(await run_in_threadpool(stop_model, self.models, body))
 
 
 async def _events(gen, wake: asyncio.Event, keepalive_s: float | None) -> AsyncIterator[list]:
@@ -406,10 +424,13 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine: edgeinfer.BatchEngine, config: ServerConfig | None = None) -> Starlette:
-    """The ASGI app serving `engine` (which the caller owns and closes)."""
+def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app serving the models of `models` (which the caller owns and closes); a
+    BatchEngine is served as the default model of a service adopting it (others load beside it)."""
     config = (config or ServerConfig()).validate()
-    service = _Service(engine, config)
+    if isinstance(models, edgeinfer.BatchEngine):
+        models = ModelService.adopt(models)
+    service = _Service(models, config)
     open_paths = {"/health"}
 
     def endpoint(name: str, handler):
@@ -438,10 +459,12 @@ def create_app(engine: edgeinfer.BatchEngine, config: ServerConfig | None = None
         Route("/v1/completions", endpoint("completions", service.completions), methods=["POST"]),
         Route("/v1/embeddings", endpoint("embeddings", lambda request: handle_embeddings(service, request)),
               methods=["POST"]),
-        Route("/v1/models", endpoint("models", service.models), methods=["GET"]),
+        Route("/v1/models", endpoint("models", service.models_list), methods=["GET"]),
         Route("/health", endpoint("health", service.health), methods=["GET"]),
         Route("/metrics", endpoint("metrics", service.metrics), methods=["GET"]),
         Route("/slots/{id_slot}", endpoint("slots", lambda request: handle_slots(service, request)), methods=["POST"]),
+        Route("/edgeinfer/ps", endpoint("ps", service.ps), methods=["GET"]),
+        Route("/edgeinfer/stop", endpoint("stop", service.stop), methods=["POST"]),
     ]
 
     async def not_found(request: Request, exc: Exception) -> Response:

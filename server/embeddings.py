@@ -6,7 +6,8 @@ the `openai` client asks for unless told otherwise); `dimensions` shortens the v
 model declares Matryoshka training; `usage` counts the tokens embedded. Extra fields (edgeinfer's):
 `pooling` (mean | cls | last: needed for a model that declares none), `normalize` (true/false:
 overrides the model's rule), `prompt_name` (a prompt the model declares, e.g. Qwen3-Embedding's
-"query" instruction) and `truncate` (cut inputs longer than the context instead of a 400).
+"query" instruction), `truncate` (cut inputs longer than the context instead of a 400) and
+`keep_alive` (as for generation: server/routing.py). The request is routed by its `model`.
 Parsing is strict: an unknown field, a wrong type or an empty input is a 400 that names it.
 
 The vectors are computed in a worker thread (the engine's embedder serializes calls on a context
@@ -31,11 +32,13 @@ from starlette.responses import Response
 import edgeinfer
 
 from .errors import APIError, from_library_error
+from .routing import acquire, keep_alive_field
 
 __all__ = ["EmbeddingsRequest", "parse_embeddings", "embeddings_body", "handle_embeddings", "MAX_INPUTS"]
 
 MAX_INPUTS = 2048  # inputs per request, as OpenAI's API
-_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "pooling", "normalize", "prompt_name", "truncate"}
+_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "pooling", "normalize", "prompt_name", "truncate",
+           "keep_alive"}
 _CLIENT_GONE = 499
 
 
@@ -142,10 +145,12 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
 
 
 async def handle_embeddings(service: Any, request: Request) -> Response:
-    """The route: `service` is the app's (its read_json, check_model and engine)."""
-    parsed = parse_embeddings(await service.read_json(request))
-    service.check_model(parsed.model)
-    engine = service.engine
+    """The route: `service` is the app's (its read_json and its model service, `models`)."""
+    body = await service.read_json(request)
+    parsed = parse_embeddings(body)
+    keep_alive = keep_alive_field(body)
+    lease = await acquire(service.models, parsed.model, keep_alive)
+    engine = lease.engine
     cancel = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     inputs = [x if isinstance(x, str) else list(x) for x in parsed.inputs]
@@ -162,4 +167,5 @@ async def handle_embeddings(service: Any, request: Request) -> Response:
         raise from_library_error(e) from None
     finally:
         watcher.cancel()
+        lease.release()
     return Response(content, media_type="application/json")

@@ -4,7 +4,7 @@
 so a port in use is one line, not a loaded model followed by uvicorn's own error and exit 3.
 
 On the first Ctrl-C or SIGTERM uvicorn stops accepting connections and lets running responses
-finish; after `shutdown_grace_s` the engine cancels whatever still runs, so every open stream ends
+finish; after `shutdown_grace_s` every loaded model cancels whatever still runs, so every open stream ends
 with a final chunk whose finish_reason is "cancelled" rather than a cut connection. `serve` then
 returns (the signal is not raised again: SIGTERM would kill the process before the caller closes
 the engine). A second Ctrl-C exits at once.
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 import edgeinfer
+from edgeinfer.service import ModelService
 
 from .app import create_app
 from .config import ServerConfig
@@ -91,17 +92,19 @@ class _Server(uvicorn.Server):
                 self._captured_signals.clear()
 
 
-def serve(engine: edgeinfer.BatchEngine, config: ServerConfig, *, sock: socket.socket | None = None,
+def serve(models: ModelService | edgeinfer.BatchEngine, config: ServerConfig, *, sock: socket.socket | None = None,
           on_ready: Callable[[str], None] | None = None, log_level: str = "warning") -> None:
-    """Serve until Ctrl-C or SIGTERM; the engine stays the caller's to close. `sock`: a socket
-    from `bind()` (default: bound here). `on_ready` gets the base URL (with the real port when
-    config.port is 0)."""
+    """Serve until Ctrl-C or SIGTERM; the model service (or an engine, served as a service's
+    default model) stays the caller's to close. `sock`: a socket from `bind()` (default: bound
+    here). `on_ready` gets the base URL (with the real port when config.port is 0)."""
     config = config.validate()
-    app = create_app(engine, config)
+    if isinstance(models, edgeinfer.BatchEngine):
+        models = ModelService.adopt(models)
+    app = create_app(models, config)
     if sock is None:
         sock = bind(config.host, config.port)
     grace = config.shutdown_grace_s
-    timer = threading.Timer(grace, engine.cancel_all)
+    timer = threading.Timer(grace, models.cancel_all)
     timer.daemon = True
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol_for(config),
                                timeout_graceful_shutdown=int(grace) + 5, lifespan="off")

@@ -521,7 +521,7 @@ def test_server_refuses_hostile_requests_with_400(embed_server):
         ({"input": "x", "dimensions": 8}, 400, "[32, 256]"),
         ({"input": "x", "prompt_name": "passage"}, 400, "no prompt named"),
         ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
-        ({"input": "x", "model": "other:model"}, 404, "does not exist"),
+        ({"input": "x", "model": "other:model"}, 404, "is not in the store"),
     ]
     with httpx.Client(timeout=60) as http:
         for body, status, says in cases:
