@@ -1,4 +1,9 @@
-"""`edgeinfer serve [MODEL]`: an OpenAI-compatible HTTP server (needs the `serve` extra)."""
+"""`edgeinfer serve [MODEL]`: an OpenAI-compatible HTTP server (needs the `serve` extra).
+
+It serves every model of the store by name (edgeinfer.ModelService): MODEL is the default (for
+requests that name none) and is loaded at start with `--preload`'s; others load on first use.
+Per-model settings come from $EDGEINFER_HOME/serve.toml; the flags --parallel, --ctx, --threads,
+--kv-type, the placement flags and --speculate are the default model's (over its table)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from ._common import add_placement_options, common_options, ctx_type, int_range, placement_options, THREADS_HELP, threads_type
 
@@ -28,34 +34,83 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _duration(text: str) -> float:
+    from edgeinfer import InvalidOptionError
+    from edgeinfer.service import parse_duration
+
+    try:
+        return parse_duration(text, "--keep-alive")
+    except InvalidOptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size(text: str) -> int | None:
+    from edgeinfer import InvalidOptionError
+    from edgeinfer.service import parse_size
+
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_size(text, "--max-memory")
+    except InvalidOptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    import edgeinfer
+    from edgeinfer.service import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED
+
+    batch_defaults, load_defaults = edgeinfer.BatchOptions(), edgeinfer.DEFAULT_LOAD  # the library's defaults
     p = sub.add_parser(
         "serve",
         parents=[common_options()],
-        help="serve a model over the OpenAI HTTP API (parallel requests, continuous batching)",
-        description="Serve a model at http://HOST:PORT/v1 (chat/completions, completions, models; /health, "
-        "/metrics). Requests run in parallel slots of one context. Binds 127.0.0.1 unless told otherwise; "
+        help="serve the store's models over the OpenAI HTTP API (by name, parallel requests, continuous batching)",
+        description="Serve the store's models at http://HOST:PORT/v1 (chat/completions, completions, embeddings, "
+        "models; /health, /metrics; /edgeinfer/ps and /edgeinfer/stop for `edgeinfer ps` and `edgeinfer stop`). "
+        "A request's model is loaded on first use and kept --keep-alive after its last request; the least "
+        "recently used idle model is unloaded when --max-loaded or --max-memory would be passed. Per-model "
+        "settings: $EDGEINFER_HOME/serve.toml ([models.\"NAME:TAG\"] tables with parallel, ctx, kv_type, speculate, "
+        "keep_alive, alias, ...; [defaults]). Requests run in parallel slots of their model's context. Binds "
+        "127.0.0.1 unless told otherwise; "
         f"any other address needs an API key ({API_KEY_ENV}, --api-key-file or --api-key). Web pages cannot "
         "use it unless --cors-origins lets them. Ctrl-C or SIGTERM stops cleanly. One log line per request.",
     )
-    p.add_argument("model", nargs="?", help="model (store name or .gguf path; default: the default model)")
+    p.add_argument("model", nargs="?", help="the default model, loaded at start (store name or .gguf path; "
+                   "default: the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int_range(0, 65535), default=8080,
                    help="port (default: 8080; 0 picks a free one)")
-    p.add_argument("--parallel", "-np", type=int, default=4, help="requests decoded together (slots; default 4)")
-    p.add_argument("--ctx", type=ctx_type, help="whole context in tokens, split evenly between the slots "
-                   "(default: min(model's, 4096))")
+    p.add_argument("--parallel", "-np", type=int, help="requests decoded together (the default model's slots; "
+                   f"default: serve.toml's, else {batch_defaults.parallel})")
+    p.add_argument("--ctx", type=ctx_type, help="the default model's whole context in tokens, split evenly between "
+                   "its slots (default: serve.toml's, else min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
-    p.add_argument("--kv-type", default="f16", help="KV-cache type: f16, q8_0, q4_0")
+    p.add_argument("--kv-type", type=str.lower, help="the default model's KV-cache type: f16, q8_0, q4_0 "
+                   f"(default: serve.toml's, else {load_defaults.kv_type})")
     add_placement_options(p, drafts=True)
-    p.add_argument("--speculate", default="off", metavar="SPEC",
-                   help="speculation for requests: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q4_K_M "
-                   "(a draft model or self-draft is opened at start-up, one sequence per slot); a request may "
-                   "turn it off or choose lookup with the extra body field 'speculation'")
+    p.add_argument("--speculate", metavar="SPEC",
+                   help="the default model's speculation for requests: off | lookup | auto | auto=MODEL | "
+                   "draft=MODEL | self=Q4_K_M (a draft model or self-draft is opened when the model loads, one "
+                   "sequence per slot); a request may turn it off or choose lookup with the extra body field "
+                   "'speculation' (default: serve.toml's, else off)")
+    many = p.add_argument_group("models by name")
+    many.add_argument("--keep-alive", type=_duration, default=DEFAULT_KEEP_ALIVE, metavar="DURATION",
+                      help="how long a model stays loaded after its last request: seconds or 30s / 5m / 1h; 0 "
+                      "unloads it after each request, -1 keeps it (a request's 'keep_alive' field and serve.toml "
+                      f"override it; default {DEFAULT_KEEP_ALIVE:g} s)")
+    many.add_argument("--max-loaded", "--models-max", type=int_range(1, 64), default=DEFAULT_MAX_LOADED, metavar="N",
+                      help="models loaded at once; the least recently used idle one is unloaded to make room "
+                      f"(default {DEFAULT_MAX_LOADED})")
+    many.add_argument("--max-memory", type=_size, metavar="SIZE",
+                      help="memory the loaded models may take, by edgeinfer fit's estimate (weights, KV cache "
+                      "for their slots, compute buffers): e.g. 6G or 5.5GiB (default: what this machine has "
+                      "available at start)")
+    many.add_argument("--preload", action="extend", nargs="+", default=[], metavar="MODEL",
+                      help="more models to load at start, besides the default one (names or .gguf paths)")
     key = p.add_argument_group("who may call it")
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (mandatory off localhost); other users "
                      f"can read it in the process list: prefer {API_KEY_ENV} or --api-key-file")
@@ -71,7 +126,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     lim.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     lim.add_argument("--max-queue", type=int_range(0, 1 << 20), default=32,
-                     help="requests that may wait for a slot (default 32); more get 503 with Retry-After")
+                     help="requests per model that may wait for one of its slots or its load (default 32); "
+                     "more get 503 with Retry-After")
     lim.add_argument("--max-connections", type=int_range(1, 1 << 16), default=128,
                      help="open connections (default 128); a request on one more gets 503")
     lim.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
@@ -142,6 +198,50 @@ def _say_progress(event) -> None:  # noqa: ANN001 - edgeinfer.SpeculationProgres
         print(f"edgeinfer: {event.message}", file=sys.stderr, flush=True)
 
 
+def _is_path(model: str) -> bool:
+    return model.endswith(".gguf") or "/" in model or model.startswith((".", "~"))
+
+
+def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 - edgeinfer types
+    """The ModelService's options: serve.toml, and the flags (the default model's over its table)."""
+    import edgeinfer
+    from edgeinfer.service import SETTINGS_FILE, read_settings_file
+
+    defaults, tables = read_settings_file(store.root / SETTINGS_FILE)
+    placement = {k: v for k, v in placement_options(args).items() if v not in (None, (), "auto")}
+    flags = edgeinfer.ModelSettings(
+        parallel=args.parallel, ctx=args.ctx, threads=args.threads, kv_type=args.kv_type,
+        speculate=args.speculate, gpu_layers=placement.get("n_gpu_layers"), rpc=placement.get("rpc"),
+        tensor_split=placement.get("tensor_split"), draft_gpu_layers=placement.get("draft_gpu_layers"),
+    ).validate()
+    preloads = {args.model or ""} | set(args.preload)
+    if len(preloads) > args.max_loaded:
+        raise edgeinfer.InvalidOptionError(f"{len(preloads)} models to load at start (the default and --preload) "
+                                           f"but --max-loaded is {args.max_loaded}")
+    return edgeinfer.ServiceOptions(keep_alive=args.keep_alive, max_loaded=args.max_loaded,
+                                    max_memory=args.max_memory, default_model=args.model, defaults=defaults,
+                                    models=tables, default_settings=flags).validate()
+
+
+def _preload(service, model):  # noqa: ANN001, ANN202 - edgeinfer types
+    """Load a model at start (the default one: None); a context split too small names the flags."""
+    import edgeinfer
+
+    try:
+        status = service.preload(model)
+    except edgeinfer.ContextLengthError as e:  # e.g. the context split into too small slots
+        if "--ctx" in str(e):
+            raise
+        raise edgeinfer.ContextLengthError(f"{e} (the --ctx context is split between --parallel slots)") from None
+    except edgeinfer.NoRoomError:
+        raise edgeinfer.InvalidOptionError(
+            f"{model or 'the default model'} does not fit beside the models loaded before it: raise --max-memory "
+            "or --max-loaded, or preload fewer") from None
+    print(f"edgeinfer: loaded {status.name} in {status.load_s or 0:.1f} s ({status.parallel} slots of "
+          f"{status.n_ctx_per_request} tokens, ~{status.memory.total / 1e9:.2f} GB)", file=sys.stderr, flush=True)
+    return status
+
+
 def serve(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -157,29 +257,29 @@ def serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
     ).validate()  # a refused option is a one-line error before the model loads
-    speculation = edgeinfer.SpeculationOptions.parse(args.speculate)  # a bad one is an error before loading
-    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, kv_type=args.kv_type,
-                                 **placement_options(args)).validate()
+    options = _service_options(args, edgeinfer.Store())  # a bad flag or serve.toml: an error before loading
     sock = edgeinfer_server.bind(config.host, config.port)  # ... and so is a port in use
     try:
+        service = edgeinfer.ModelService(options, progress=_say_progress)
         try:
-            engine = edgeinfer.BatchEngine.load(args.model, load, edgeinfer.BatchOptions(parallel=args.parallel),
-                                                speculation=speculation, progress=_say_progress)
-        except edgeinfer.ContextLengthError as e:  # e.g. the context split into too small slots
-            if "--ctx" in str(e):
-                raise
-            raise edgeinfer.ContextLengthError(f"{e} (the --ctx context is split between --parallel slots)") from None
-        try:
+            default = _preload(service, None)
+            for model in args.preload:
+                _preload(service, Path(model) if _is_path(model) else model)
+
             def ready(url: str) -> None:
-                print(f"edgeinfer: serving {engine.name} at {url} ({engine.parallel} slots of "
-                      f"{engine.n_ctx_per_request} tokens; Ctrl-C stops)", file=sys.stderr, flush=True)
+                more = f"; also {', '.join(s.name for s in service.ps() if s.name != default.name)}" \
+                    if len(service.ps()) > 1 else ""
+                print(f"edgeinfer: serving {default.name} at {url} ({default.parallel} slots of "
+                      f"{default.n_ctx_per_request} tokens{more}; any store model on request, up to "
+                      f"{options.max_loaded} at once in {service.budget / 1e9:.1f} GB; Ctrl-C stops)",
+                      file=sys.stderr, flush=True)
 
             with _server_log_to_stderr():
-                edgeinfer_server.serve(engine, config, sock=sock, on_ready=ready)
+                edgeinfer_server.serve(service, config, sock=sock, on_ready=ready)
         except KeyboardInterrupt:
             pass  # a Ctrl-C outside uvicorn's handling (before it started): stop as well
         finally:
-            engine.close()
+            service.close()
     finally:
         sock.close()
     print("edgeinfer: server stopped", file=sys.stderr)
