@@ -319,6 +319,27 @@ def run_first_requests(args: argparse.Namespace, servers: Servers) -> None:
               f"{', '.join(f'{v:.2f}' for v in values)} |")
 
 
+def model_file(model: str | None, home: Path) -> str:
+    """The .gguf to serve: `model` (a path, or a ref of the user's store), or an F16 copy of the
+    default model made in the store at `home`."""
+    if model is None:
+        import warnings
+
+        from edgeinfer import Store
+        from edgeinfer.default_model import default_model_file
+        from edgeinfer.quantize import quantize_model
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return str(quantize_model(default_model_file(), "F16", store=Store(home), allow_requantize=True,
+                                      name="bench").path)
+    if not model.endswith(".gguf"):
+        from edgeinfer import Store
+
+        return str(Store().resolve(model)[0])
+    return model
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="store ref or .gguf (default: an F16 copy of the default model)")
@@ -342,23 +363,7 @@ def main() -> int:
 
     home = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     env = dict(os.environ, EDGEINFER_HOME=str(home))
-    model = args.model
-    if model is None:
-        import warnings
-
-        from edgeinfer import Store
-        from edgeinfer.default_model import default_model_file
-        from edgeinfer.quantize import quantize_model
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = str(quantize_model(default_model_file(), "F16", store=Store(home), allow_requantize=True,
-                                       name="bench").path)
-    elif not model.endswith(".gguf"):
-        from edgeinfer import Store
-
-        model = str(Store().resolve(model)[0])
-    servers = Servers(args, model, env)
+    servers = Servers(args, model_file(args.model, home), env)
     try:
         if args.first_request:
             run_first_requests(args, servers)
