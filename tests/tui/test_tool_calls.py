@@ -2,10 +2,11 @@
 call shown as a collapsed block (name and arguments; expandable), its result pasted in a dialog and
 sent back as a `role: "tool"` message, after which the model continues.
 
-The engine is the scripted one (tui_fakes: a reply that is offered tools may end with calls,
-streamed as ToolCallEvents as the library streams them); the library's own tool calls are tested
-with real models in tests/test_server_tools.py and tests/test_tools.py. The file is checked by the
-library's `normalize_tools`, and the UI reaches the engine only through `engine.chat(..., tools=)`.
+The flows run on the scripted engine (tui_fakes: a reply that is offered tools may end with calls,
+streamed as ToolCallEvents as the library streams them), so they are deterministic; one test runs
+the real default model through the library's engine, whose reply after a pasted result must be the
+library's own. The file is checked by the library's `normalize_tools`, and the UI reaches the engine
+only through `engine.chat(..., tools=)`.
 """
 
 from __future__ import annotations
@@ -312,3 +313,48 @@ def test_a_call_cut_off_by_esc_is_not_a_call(make_app, backend, edgeinfer_home):
             assert not _blocks(app) and _screen(app) == "ChatScreen"
 
     run(main())
+
+
+@pytest.mark.slow
+def test_the_real_default_model_continues_after_a_pasted_result(default_model_path, db_path, edgeinfer_home):
+    """With the library's engine (the real default model): the tools file's tools are rendered into
+    its prompt, the pasted result goes back in the conversation, and what the model then writes (text
+    or another call) is exactly the library's own greedy reply to that conversation with those tools."""
+    import edgeinfer
+    from edgeinfer_tui.app import EdgeInferApp
+    from edgeinfer_tui.backend import LibraryBackend
+    from edgeinfer_tui.chat_store import ChatStore
+    from edgeinfer_tui.config import TuiConfig
+    from edgeinfer_tui.settings import ChatSettings
+    from edgeinfer_tui.tools import conversation
+
+    write_tools(edgeinfer_home, [WEATHER])
+    settings = ChatSettings(temperature=0.0, max_tokens=24, system_prompt="You are a helpful assistant.")
+    store = ChatStore(db_path)
+    chat = store.create_chat(settings=settings.to_dict())
+    store.add_message(chat.id, "user", "What is the weather in Paris?")
+    store.add_message(chat.id, "assistant", "", tool_calls=[
+        {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}])
+    store.close()
+    app = EdgeInferApp(LibraryBackend(edgeinfer.LoadOptions(n_ctx=2048)), db_path=db_path, config=TuiConfig())
+
+    async def main():
+        async with app.run_test(size=(110, 34)) as pilot:
+            await wait_for(pilot, lambda: len(_blocks(app)) == 1, what="the stored call")
+            await pilot.press("ctrl+f")
+            await wait_for(pilot, lambda: _screen(app) == "ToolResultScreen")
+            app.screen.query_one("#tool-result").text = "18 degrees and sunny"
+            await pilot.press("ctrl+f")
+            await wait_for(pilot, lambda: app.chat_view.last_done is not None, timeout=120, what="the real reply")
+
+    run(main())
+    msgs = ChatStore(db_path).messages(chat.id)
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    history = settings.messages(conversation(msgs[:3]))
+    with edgeinfer.load(default_model_path, n_ctx=2048) as engine:
+        expected = engine.chat(history, settings.to_options(), tools=[WEATHER]).result()
+    got = app.chat_view.last_done
+    assert got.text == expected.text  # (call ids are fresh per reply: calls compare by name and arguments)
+    assert [(c.name, c.arguments) for c in got.tool_calls] == [(c.name, c.arguments) for c in expected.tool_calls]
+    assert msgs[-1].content == expected.text and msgs[-1].stats["finish_reason"] == expected.finish_reason
+    print(f"\nthe default model after the result: {expected.text!r} {expected.tool_calls}")
