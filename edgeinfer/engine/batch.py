@@ -154,6 +154,11 @@ class BatchEngine(ModelFace):
         self.batch_options = (batch or BatchOptions()).validate()
         self.store = store or Store()
         n = self.batch_options.parallel
+        # Before loading: llama.cpp rounds each slot's share up to 256 cells, so a context too small
+        # to split would come back larger than asked (and than the model was trained for).
+        if options.n_ctx is not None and options.n_ctx // n < 16:
+            raise ContextLengthError(f"a context of {options.n_ctx} tokens split between {n} slots leaves "
+                                     f"{options.n_ctx // n} per slot: raise --ctx or lower --parallel")
         self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp_layers(info) > 0)
         self._note_placement()
         rt = self._runtime
