@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # CPU 2-3 drafted tokens a step are best even at 97 % acceptance (the batch curve: DESIGN.md).
 ROLLBACK_DEPTH = 4
 _WARMUP = 2  # drafts of a new head context whose time is not a drafted token's cost
+_JUDGE_AFTER = 3  # timed drafts before a request's measured cost may switch its head off
 
 
 class HeadContext:
@@ -359,11 +360,16 @@ class HeadDrafter(ModelDrafter):
     def __init__(self, context: HeadContext, policy: LengthPolicy, p_min: float):
         super().__init__(context, policy, p_min, context.method)  # type: ignore[arg-type]
         self.head = context
+        self._timed = 0
 
     def start(self, target: Any, slot: int) -> None:
         if self.head.cost_prior > 0 and not self.measured:
             self.step_s = self.head.cost_prior * self.policy.costs.time(1)
         self._too_slow()
+
+    def _too_slow(self) -> bool:
+        # Judged on the prior, then only once a few drafts were timed: one slow step is not the head.
+        return super()._too_slow() if not self.measured or self._timed >= _JUDGE_AFTER else not self.enabled
 
     def drafted(self, job: DraftJob) -> None:
         if not job.tokens:
@@ -376,10 +382,8 @@ class HeadDrafter(ModelDrafter):
             per = min(per, 1.5 * self.step_s)
         self.step_s = 0.8 * self.step_s + 0.2 * per if self.measured else per
         self.measured = True
-        t1 = self.policy.costs.time(1)
-        if t1 > 0:
-            self.head.cost_prior = self.step_s / t1  # the next request starts from what was measured
-        self._too_slow()
+        self._timed += 1
+        self._too_slow()  # (each request starts from the prior again: a busy moment is not kept)
 
 
 # -- priors: what a drafted token reads, as a share of what a target step reads ---------------------
