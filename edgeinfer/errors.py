@@ -8,6 +8,7 @@ __all__ = [
     "InvalidModelError",
     "ChatTemplateError",
     "InvalidOptionError",
+    "GrammarError",
     "ContextLengthError",
     "StoreError",
     "HubError",
@@ -43,6 +44,10 @@ class ChatTemplateError(InvalidModelError):
 
 class InvalidOptionError(EdgeInferError, ValueError):
     """A sampling, load or command option outside its valid range."""
+
+
+class GrammarError(InvalidOptionError):
+    """A grammar (GBNF, a JSON schema's, a tool call's) that this model can never satisfy."""
 
 
 class ContextLengthError(EdgeInferError, ValueError):

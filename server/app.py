@@ -291,6 +291,11 @@ class _Service:
                 what = "the server is shutting down" if self.models.closed else f"{engine.name} was unloaded"
                 raise APIError(503, what, type="server_error", code="unavailable",
                                headers={"Retry-After": "1"}) from None
+            if isinstance(e, edgeinfer.GrammarError):  # the request's constraint can never be met
+                field = "tools" if tools is not None and parsed.options.grammar is None and \
+                    parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
+                    else "response_format"
+                raise APIError(400, str(e), param=field) from None
             raise from_library_error(e) from None
         except BaseException:
             release()

@@ -604,8 +604,9 @@ def test_greedy_grammar_fork_and_lazy(runtime, row):
 
 @pytest.mark.slow
 def test_grammar_that_no_token_can_follow_is_a_clear_error(engine):
-    with pytest.raises(InvalidOptionError, match="allows no token"):
-        engine.generate("Hi", GenerateOptions(max_tokens=4, grammar='root ::= "\\x00"')).result()
+    # refused when the request is made (edgeinfer.GrammarError), before it queues for the engine
+    with pytest.raises(edgeinfer.GrammarError, match="allows no token"):
+        engine.generate("Hi", GenerateOptions(max_tokens=4, grammar='root ::= "\\x00"'))
     assert engine.generate("Hi", GenerateOptions(max_tokens=2)).result().tokens  # the engine goes on
 
 

@@ -16,7 +16,7 @@ tests/test_server_tools.py does not already cover):
   through `parse`): each is a 400 whose one-line message names the problem and whose `param` names
   the field, answered within a bounded time, while a streamed request runs on to its end beside
   them, and the server answers a constrained request afterwards. A grammar no token of the model's
-  vocabulary can start is a 500 today (xfail, strict: it says when that is fixed).
+  vocabulary can start is a 400 too (the engine checks it when the request is submitted).
 
 On the default model's F16 copy (test_server's MODEL_FILE link), with one llama.cpp thread per
 server (EDGEINFER_THREADS, as the suite sets it per worker).
@@ -301,8 +301,6 @@ def test_a_recursive_pydantic_model_is_a_400_through_parse(server):
     assert time.perf_counter() - t0 < BAD_REQUEST_S
 
 
-@pytest.mark.xfail(strict=True, reason="the server answers 500 (server_error): the engine finds that no token is "
-                   "allowed only when it samples; server/app.py maps errors met during generation to 500")
 def test_a_grammar_no_token_can_start_is_a_400(server):
     """`root ::= "\\x00"` is valid GBNF, but no token of the vocabulary writes a NUL: the request can
     never produce anything. It is the client's mistake (a 400 naming `grammar`), streamed or not,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextLengthError, EngineClosedError, InvalidOptionError
+from ..errors import ContextLengthError, EngineClosedError, GrammarError, InvalidOptionError
 from ..gguf_file import GGUFInfo
 from ..store import ModelManifest, Store
 from .embedding import Embedder, EmbeddingResult, EmbedOptions
@@ -22,6 +22,7 @@ from .tools import ToolSetup, tool_request
 from ..devices import last_placement
 from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
 from .llama import LlamaRuntime
+from .sampler import Sampler
 from .options import GenerateOptions, LoadOptions
 from .speculation.policy import CostModel
 
@@ -250,6 +251,14 @@ class ModelFace:
         if options.sampling.top_k > self.n_vocab:
             raise InvalidOptionError(f"top_k must be at most the vocabulary size ({self.n_vocab}), "
                                      f"got {options.sampling.top_k}")
+        if options.resolved_grammar() is not None:
+            sampler = Sampler.for_request(self._runtime, options)  # (the vocabulary only: any thread)
+            try:
+                if not sampler.allows_a_start():
+                    raise GrammarError("the grammar allows no token of this model's vocabulary to start the "
+                                       "output: it can never be satisfied")
+            finally:
+                sampler.close()
         return options
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

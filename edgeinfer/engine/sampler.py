@@ -270,6 +270,19 @@ class Sampler:
         window (SamplingOptions: penalties count generated tokens only) nor the grammar (which
         constrains the output from its first token)."""
 
+    def allows_a_start(self) -> bool:
+        """Whether the grammar (before any output) allows at least one token of the vocabulary: a
+        grammar that matches only text this model cannot write is refused before its request runs
+        (one llama.cpp pass over the vocabulary, a few ms). Always True without a grammar, or for a
+        lazy one (it constrains only once triggered)."""
+        if self._grammar is None or self.grammar is None or self.grammar.lazy:
+            return True
+        ids = np.arange(self.runtime.facts.n_vocab, dtype=np.int64)
+        allowed = self._grammar_allows(ids)
+        if self._hidden.size:
+            allowed[self._hidden] = False
+        return bool(allowed.any())
+
     def allowed(self, token: int) -> bool:
         """Whether the grammar (in its current state) allows `token` next; always True without one."""
         if self._grammar is None:
