@@ -700,12 +700,19 @@ class ModelService:
             with self._cond:
                 self._check_open()
                 entry = self._entries.get(plan.key)
-                if entry is not None and entry.state == "ready":
+                dead = None
+                if entry is not None and entry.state == "ready" and entry.leases == 0 and \
+                        getattr(entry.engine, "failure", None) is not None:
+                    log.warning("the engine of %s stopped (%s): loading it again", plan.name, entry.engine.failure)
+                    entry.state, dead = "unloading", entry
+                elif entry is not None and entry.state == "ready":
                     entry.leases += 1
                     entry.expires = None
                     entry.last_used = time.monotonic()
                     return Lease(self, entry, keep_alive)
-                if entry is not None and entry.state == "loading":
+                if dead is not None:
+                    pass  # closed below, outside the lock; then loaded again
+                elif entry is not None and entry.state == "loading":
                     wait_load = entry
                 elif entry is not None:  # unloading: wait until it is gone, then load it again
                     self._wait(deadline, cancel, plan)
@@ -719,6 +726,9 @@ class ModelService:
                     entry = _Entry(plan, self._keep_alive_of(plan))
                     entry.leases = 1  # the loader's own lease: nothing unloads it before its request runs
                     self._entries[plan.key] = entry
+            if dead is not None:
+                self._close_entry(dead, 0.0)
+                continue
             if wait_load is not None:
                 wait_load.done.wait()
                 if wait_load.error is not None:

@@ -344,6 +344,24 @@ def test_real_engines_stop_cancels_a_running_request(store):
             assert again.engine.generate("Hi", GenerateOptions(max_tokens=2)).result().finish_reason in ("length", "eos")
 
 
+def test_a_model_whose_engine_died_is_loaded_again(store, monkeypatch):
+    """A BatchEngine whose scheduler thread died says so (`failure`); the next request for its model
+    gets a new engine instead of an error from the dead one."""
+    from edgeinfer.engine.scheduler import Scheduler
+
+    with ModelService(ServiceOptions(defaults=ModelSettings(parallel=1, ctx=512, threads=1)), store=store) as service:
+        with service.acquire(F16) as lease:
+            broken = lease.engine
+            with monkeypatch.context() as m:
+                m.setattr(Scheduler, "step", lambda self: (_ for _ in ()).throw(SystemError("broken")))
+                with pytest.raises(edgeinfer.EngineClosedError):
+                    broken.generate("Hi", GenerateOptions(max_tokens=2)).result()
+            assert isinstance(broken.failure, SystemError)
+        with service.acquire(F16) as again:
+            assert again.engine is not broken and again.engine.failure is None
+            assert again.engine.generate("Hi", GenerateOptions(max_tokens=2)).result().finish_reason in ("length", "eos")
+
+
 # -- the server ------------------------------------------------------------------------------------------
 
 PROMPT = "The capital of France is"

@@ -234,6 +234,12 @@ class BatchEngine(ModelFace):
         """True once `close()` has begun: no new requests are taken."""
         return self._closing or self._closed
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the scheduler thread, if it died (every request then fails): a server
+        loads the model again instead of serving from a dead engine."""
+        return self._dead
+
     # -- speculation -----------------------------------------------------------------------------
     def prepare_speculation(self, speculation: SpeculationOptions | str, *,
                             progress: ProgressCallback | None = None) -> None:
