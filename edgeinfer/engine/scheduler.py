@@ -107,11 +107,12 @@ class Scheduler:
         return sum(lengths) // len(lengths) if lengths else 0
 
     def idle_sequence(self) -> KVSequence | None:
-        """The sequence of the free slot whose cache matters least (the shortest), while nothing
-        runs: what the idle calibration may empty and decode on."""
+        """An empty sequence of a free slot, while nothing runs: what the idle calibration may decode
+        on. A slot's cache (a prefix for the next request, a restored conversation) is never given
+        up for it: with every slot holding one, the curve is learned from the steps taken instead."""
         if self.active or self.waiting:
             return None
-        return min(self.slots, key=lambda s: len(s.seq)).seq
+        return next((s.seq for s in self.slots if len(s.seq) == 0), None)
 
     def _pause_slow_readers(self) -> None:
         if self.max_backlog is not None:

@@ -87,10 +87,10 @@ _IDLE_REPS = 2  # each size twice, the faster kept: other load only ever slows a
 
 
 class IdleCalibration:
-    """A server's cost curve, measured while no request runs: one decode at a time, on the idle
-    slot whose cache matters least (`sequence()`: emptied first; the slot keeps no prefix for the
-    next request then), interruptible at once (the runtime's abort callback) when a request
-    arrives. The results go into the live CostModel (`adopt`) when every size has been timed."""
+    """A server's cost curve, measured while no request runs: one decode at a time, on an empty
+    sequence of a free slot (`sequence()`), interruptible (the runtime's abort callback) when a
+    request arrives. The results go into the live CostModel (`adopt`) when every size has been
+    timed."""
 
     def __init__(self, costs: CostModel, sequence: Callable[[], KVSequence | None]):
         self.costs = costs
