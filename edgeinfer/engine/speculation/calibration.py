@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from ...errors import ContextLengthError
 from ..llama import DecodeAborted, LlamaRuntime
 from ..sequence import KVSequence
-from .policy import CALIBRATION_SIZES, CostModel
+from .policy import CALIBRATION_SIZES, PREFILL_SIZES, CostModel
 
 __all__ = ["calibrate_costs", "measure_costs", "fit_costs", "IdleCalibration", "IDLE_SIZES"]
 
@@ -82,7 +82,7 @@ def fit_costs(seconds: dict[int, dict[int, float]]) -> CostModel:
 
 
 # Sizes the idle calibration times: the drafting sizes, then up to a full ubatch for the prefill budget.
-IDLE_SIZES = CALIBRATION_SIZES + (48, 64, 96, 128, 192, 256, 384, 512)
+IDLE_SIZES = tuple(sorted(set(CALIBRATION_SIZES) | set(PREFILL_SIZES)))
 _IDLE_REPS = 2  # each size twice, the faster kept: other load only ever slows a decode down
 
 

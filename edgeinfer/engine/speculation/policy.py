@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 
 from ..options import DEFAULT_SPECULATION, SpeculationOptions
 
-__all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "plan_drafts", "CALIBRATION_SIZES", "break_even_draft_cost"]
+__all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "plan_drafts", "CALIBRATION_SIZES", "PREFILL_SIZES",
+           "break_even_draft_cost"]
 
 # Both sides of the tile sizes where the curve jumps; other sizes are interpolated, then learned.
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+# Prompt chunk sizes the prefill budget chooses among (the cheapest per row, see prefill_knee).
+PREFILL_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Explorations draft at most this many tokens (the length that costs least for what it may buy:
 # on Q8_0 a 4-token batch is cheaper than a 3-token one).
 _EXPLORE_MAX = 4
@@ -120,10 +123,12 @@ class CostModel:
         return b in self._measured
 
     def prefill_knee(self, n_max: int, tolerance: float = 0.05) -> int:
-        """The smallest prompt chunk (rows) whose cost per row is within `tolerance` of the best the
-        measured curve shows up to n_max; n_max itself while the curve is not measured that far
-        (a prior, or only the small sizes drafting uses)."""
-        sizes = sorted(b for b in self._measured if b <= n_max)
+        """The smallest prompt chunk (rows, of PREFILL_SIZES) whose cost per row is within
+        `tolerance` of the best the measured curve shows up to n_max; n_max itself while the curve
+        is not measured that far (a prior, or only the small sizes drafting uses). Only the grid's
+        sizes count: a step's odd size learned once (257 rows: a chunk and a decoding request)
+        must not move the knee."""
+        sizes = [b for b in PREFILL_SIZES if b <= n_max and b in self._measured]
         if not sizes or sizes[-1] < n_max // 2:
             return n_max
         per_row = {b: self._shape[b] / b for b in sizes}
