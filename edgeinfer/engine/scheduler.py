@@ -260,12 +260,20 @@ class Scheduler:
             costs = self.costs
             models = [j for j, p in enumerate(planned) if p.kind in ("model", "head")]
 
+            groups: dict[int, list[int]] = {}  # the proposals of each drafter (draft model, head)
+            for m in models:
+                groups.setdefault(id(planned[m].context), []).append(m)
+            t1 = costs.time(1)
+
             def drafting(counts: list[int]) -> float:  # each drafter's decodes, one per position drafted
                 total = 0.0
-                for context in {id(planned[m].context): planned[m].context for m in models}.values():
-                    mine, j = [m for m in models if planned[m].context is context], 1
+                for mine in groups.values():
+                    if len(mine) == 1:  # one request: its k decodes of one row (plan_drafts asks ~k times a step)
+                        total += counts[mine[0]] * planned[mine[0]].draft_cost * t1
+                        continue
+                    shape, j = planned[mine[0]].context.costs.shape, 1  # type: ignore[union-attr]
                     while at := [m for m in mine if counts[m] >= j]:
-                        total += max(planned[m].draft_cost for m in at) * costs.time(1) * context.costs.shape(len(at))
+                        total += max(planned[m].draft_cost for m in at) * t1 * shape(len(at))
                         j += 1
                 return total
 

@@ -128,7 +128,9 @@ class RequestSpeculation:
     def observe(self, proposal: Proposal | None, n_drafted: int, n_accepted: int, step_s: float,
                 plain_s: float) -> None:
         """Feedback after verification (a plain step when nothing was drafted)."""
-        draft_s = proposal.job.seconds if proposal is not None and proposal.job is not None else 0.0
+        # A head catching up on the tokens since its last draft is a one-off (one batched decode),
+        # not what drafting costs from here on: an exploration is judged without it.
+        draft_s = proposal.job.seconds - proposal.job.catch_up_s if proposal is not None and proposal.job is not None else 0.0
         if n_drafted == 0:
             for p in self.policies():
                 p.observe(0, 0, step_s, 0.0, plain_s, learn_costs=False)

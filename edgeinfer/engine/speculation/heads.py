@@ -137,14 +137,21 @@ class HeadContext:
             return  # positions it never saw (a decode outside the scheduler): behind until cut back
         if len(known) > p0:
             self._truncate(s, p0)
-        n = p0 + len(tokens)
+        self._store(s, p0, aux)
+        known.extend(tokens)
+
+    def _store(self, s: int, p0: int, rows: np.ndarray) -> None:
+        """Keep `rows` as the rows of positions p0.. of slot s."""
+        n = p0 + len(rows)
         buf = self._rows[s]
         if len(buf) < n:
             grown = np.zeros((max(n, 2 * len(buf), 64), self.width), np.float32)
             grown[: len(buf)] = buf
             self._rows[s] = buf = grown
-        buf[p0:n] = aux
-        known.extend(tokens)
+        buf[p0:n] = rows
+
+    def _ready(self, s: int) -> None:
+        """Before drafting for slot s: every kept row in its final form (EAGLE-3: encoded)."""
 
     def _truncate(self, s: int, n_known: int) -> None:
         """Keep the first `n_known` tokens' rows and the cache entries they make."""
@@ -216,6 +223,7 @@ class HeadContext:
         seeds: list[tuple[DraftJob, int, int]] = []  # job, slot, seed position
         n_pending = 0
         backlog: dict[int, int] = {}
+        ready = []
         for j in jobs:
             s, n_t = j.slot, len(j.history) - 1  # the target holds history[:-1]; history[-1] is next
             known = self._known[s]
@@ -224,6 +232,11 @@ class HeadContext:
                 continue  # behind: nothing to draft from for this slot
             if len(known) > n_t:
                 self._truncate(s, n_t)
+            self._ready(s)
+            ready.append(j)
+        for j in ready:
+            s, n_t = j.slot, len(j.history) - 1
+            known = self._known[s]
             base = n_t - self.shift
             backlog[id(j)] = base - self._entries[s]
             for p in range(self._entries[s], base):  # entries it is behind, written now (no output)
@@ -313,10 +326,13 @@ class Eagle3Head(HeadContext):
                 self.api.set_embeddings_layer_inp(target.ctx, lid, True)
             else:  # == n_layer (checked by the caller): the final hidden state
                 self.api.set_embeddings_nextn(target.ctx, True, False)
+        self._waiting: list[list[np.ndarray]] = [[] for _ in range(n_slots)]  # layer inputs not yet encoded
+        self._encoded = [0] * n_slots  # positions whose g is in _rows
         self._open(model, mtp=False)
         self._enc = ExtBatch(self.ctx)
 
     def _target_rows(self, n: int) -> np.ndarray:
+        """The target layers' inputs, [n, 3 x n_embd] (encoded into g later: see _store)."""
         t = self.target
         parts = []
         for lid in self.layers:
@@ -325,10 +341,45 @@ class Eagle3Head(HeadContext):
             if not ptr:
                 raise SpeculationError(f"the target kept no input of layer {lid}")
             parts.append(np.ctypeslib.as_array(ptr, shape=(n, t.facts.n_embd)))
-        feats = np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+        return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+
+    # The encoder runs on what accumulated, not after every target decode (a call per step would
+    # cost a small target a sixth of its speed): before a draft, or once this many rows wait.
+    _ENCODE_EVERY = 64
+
+    def _store(self, s: int, p0: int, rows: np.ndarray) -> None:
+        self._waiting[s].append(rows)
+        if sum(len(r) for r in self._waiting[s]) >= self._ENCODE_EVERY:
+            self._ready(s)
+
+    def _ready(self, s: int) -> None:
+        if self._waiting[s]:
+            feats = np.concatenate(self._waiting[s])
+            self._waiting[s] = []
+            super()._store(s, self._encoded[s], self._encode(feats))
+            self._encoded[s] += len(feats)
+
+    def _truncate(self, s: int, n_known: int) -> None:
+        super()._truncate(s, n_known)
+        if self._encoded[s] >= n_known:
+            self._encoded[s] = n_known
+            self._waiting[s] = []
+        elif self._waiting[s]:
+            keep = np.concatenate(self._waiting[s])[: n_known - self._encoded[s]]
+            self._waiting[s] = [keep] if len(keep) else []
+
+    def reset(self) -> None:
+        super().reset()
+        self._waiting = [[] for _ in range(self.n_slots)]
+        self._encoded = [0] * self.n_slots
+
+    def _encode(self, feats: np.ndarray) -> np.ndarray:
+        """g = the drafter's encoder (fc) on fused target features, a row per position."""
+        t = self.target
+        n = len(feats)
         out = np.empty((n, self.width), np.float32)
         ll = self.api.ll
-        for c in range(0, n, self.n_batch):  # the encoder fuses them into g, a row per position
+        for c in range(0, n, self.n_batch):
             chunk = feats[c : c + self.n_batch]
             pos = max(0, int(ll.llama_memory_seq_pos_max(self.memory, 0)) + 1)  # unused by the encoder
             for i, row in enumerate(chunk):
