@@ -20,8 +20,17 @@ charges the measured curve, so the gap between beliefs is what a wrong curve cos
 Also replays sampled text (temperature 0.9), where lookup has little to copy: the policy must stay
 within a few percent of plain there.
 
+A drafting head (mtp, eagle3) is replayed from an acceptance profile instead of recorded text
+(`--profile a1,a2,...`: the probability that drafted position i is accepted when the ones before it
+were) and its cost per drafted token in target steps (`--draft-cost`): the shipped policy (the same
+LengthPolicy, its can-pay check and exploration) drafts, acceptances are drawn from the profile
+(seeded), every step costs the curve's verification plus the drafted tokens. A projection for a
+model nobody here can run, not a measurement.
+
     .venv/bin/python -m benchmarks.replay_speculation [--tokens 384] [--quants F16,Q8_0]
     .venv/bin/python -m benchmarks.replay_speculation --pair [--tokens 256] [--belief true,calibrated]
+    .venv/bin/python -m benchmarks.replay_speculation --curve 1:16.2,2:21.5,4:28.2,8:24.4 \
+        --profile 0.88,0.85,0.70,0.70 --draft-cost 0.31 --max-draft 4
 """
 
 from __future__ import annotations
@@ -162,6 +171,55 @@ def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief
     return out
 
 
+def replay_profile(curve: dict[int, float], profile: list[float], draft_cost: float, tokens: int = 4096,
+                   max_draft: int = 4, seed: int = 0) -> Replay:
+    """The policy drafting with a head accepted per `profile` at `draft_cost` target steps a token
+    (see the module); the speed-up is against plain steps on the same curve."""
+    import random
+
+    from edgeinfer import SpeculationOptions
+    from edgeinfer.engine.speculation import CostModel, LengthPolicy
+
+    rng = random.Random(seed)
+    policy = LengthPolicy(CostModel(dict(curve)), SpeculationOptions(method="mtp", draft_max=max_draft),
+                          max_failed_explorations=2)
+    on = policy.can_pay(draft_cost)  # what HeadDrafter.start decides before the first draft
+    out = Replay()
+    made, spent, t1 = 0, 0.0, curve[1]
+    while made < tokens:
+        k = policy.choose(max_draft, draft_cost)[0] if on else 0
+        ok = 0
+        while ok < k and rng.random() < profile[min(ok, len(profile) - 1)]:
+            ok += 1
+        verify = curve[min(k + 1, max(curve))]
+        draft = k * draft_cost * t1
+        spent += verify + draft
+        out.steps += 1
+        out.lengths[k] += 1
+        out.drafted += k
+        out.accepted += ok
+        out.rejected += ok < k
+        out.declined += k == 0
+        policy.observe(k, ok, verify, draft, t1, learn_costs=False)
+        made += ok + 1
+    out.speedup = made * t1 / spent
+    return out
+
+
+def profile_bound(curve: dict[int, float], profile: list[float], draft_cost: float,
+                  max_draft: int) -> tuple[float, int]:
+    """(speed-up, k): the best fixed draft length for the profile and draft cost under the curve."""
+    r = ratios(curve)
+    best, best_k, e, p = 1.0, 0, 1.0, 1.0
+    for k in range(1, min(max_draft, max(r) - 1) + 1):
+        p *= profile[min(k - 1, len(profile) - 1)]
+        e += p
+        rate = e / (r[k + 1] + k * draft_cost)
+        if rate > best:
+            best, best_k = rate, k
+    return best, best_k
+
+
 def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str]):
     """name -> a function making the cost model the policy starts from."""
     from edgeinfer.engine.speculation import CostModel, calibrate_costs
@@ -283,8 +341,27 @@ def main() -> None:
     ap.add_argument("--record", type=Path, help="JSON file keeping the recorded outputs between runs")
     ap.add_argument("--workloads", default="", help="comma-separated subset")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", help="replay a drafting head instead: per-position acceptance, e.g. 0.88,0.85,0.70 "
+                    "(needs --curve and --draft-cost)")
+    ap.add_argument("--draft-cost", type=float, help="a head's drafted token in target steps (with --profile)")
+    ap.add_argument("--max-draft", type=int, default=4, help="longest draft (with --profile; a hybrid target: "
+                    "its rollback snapshots, 4)")
     args = ap.parse_args()
     fixed = parse_curve(args.curve) if args.curve else None
+    if args.profile:
+        if fixed is None or args.draft_cost is None:
+            raise SystemExit("--profile needs --curve and --draft-cost")
+        profile = [float(a) for a in args.profile.split(",")]
+        got = [replay_profile(fixed, profile, args.draft_cost, args.tokens, args.max_draft, seed) for seed in range(5)]
+        bound, k = profile_bound(fixed, profile, args.draft_cost, args.max_draft)
+        print(f"PROJECTION (replayed policy, no model ran): profile {profile}, {args.draft_cost} target steps a "
+              f"drafted token, drafts <= {args.max_draft}")
+        print("  curve (ratio to one step): " + " ".join(f"{b}:{r:.2f}" for b, r in sorted(ratios(fixed).items())
+                                                        if b <= args.max_draft + 1))
+        print(f"  policy: {statistics.median(g.speedup for g in got):.3f}x (seeds: "
+              f"{', '.join(f'{g.speedup:.3f}' for g in got)}); best fixed length {k}: {bound:.3f}x")
+        print(f"  policy's steps (seed 0): {got[0].summary()}, per-token acceptance {got[0].acceptance:.2f}")
+        return
 
     import edgeinfer
 

@@ -65,8 +65,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     close heads, and one without an MTP layer; each with its HF folder beside it."""
     root = tmp_path_factory.mktemp("heads")
     out = {}
-    for name, kw in {"random": {}, "agree": {"edit": token_only_mtp("agree")}, "close": {"edit": token_only_mtp("close")},
-                     "no-mtp": {"mtp": False}}.items():
+    variants = {"random": {}, "agree": {"edit": token_only_mtp("agree")}, "close": {"edit": token_only_mtp("close")},
+                "no-mtp": {"mtp": False}}
+    for name, kw in variants.items():
         src = make_random_qwen35_model(root / name, tied=False, **kw)
         out[name] = convert_model(src, "f32", root / f"{name}.gguf", register=False).path
     return out

@@ -137,7 +137,8 @@ class ExtBatch:
                 idx = -2
             self._pos[0] = pos
         if idx < 0:
-            raise SpeculationError(f"a drafting head's batch refused an entry (code {idx}: full, bad token or row width)")
+            raise SpeculationError(f"a drafting head's batch refused an entry (code {idx}: full, bad token or "
+                                   "row width)")
         ll.llama_batch_ext_set_pos(self.ptr, idx, self._pos)
         ll.llama_batch_ext_set_output_logits(self.ptr, idx, output)
         self.n += 1

@@ -130,7 +130,8 @@ class RequestSpeculation:
         """Feedback after verification (a plain step when nothing was drafted)."""
         # A head catching up on the tokens since its last draft is a one-off (one batched decode),
         # not what drafting costs from here on: an exploration is judged without it.
-        draft_s = proposal.job.seconds - proposal.job.catch_up_s if proposal is not None and proposal.job is not None else 0.0
+        job = proposal.job if proposal is not None else None
+        draft_s = job.seconds - job.catch_up_s if job is not None else 0.0
         if n_drafted == 0:
             for p in self.policies():
                 p.observe(0, 0, step_s, 0.0, plain_s, learn_costs=False)
