@@ -180,7 +180,6 @@ class Scheduler:
             for r in decoding + [r for r, _ in chunks]:
                 self._fail(r, e)
             return True
-        t_decode = time.perf_counter() - t0
         for head in self.heads() if self.heads is not None else ():
             head.after_decode(rows)  # the hidden states of every row, prompt chunks included
         self.counters.steps += 1
@@ -198,8 +197,9 @@ class Scheduler:
             if r.speculation is not None and not r.prefilling and r in self.active:
                 self._isolated(r, r.speculation.start, r.seq, r.seq.seq_id)  # type: ignore[union-attr]
         n_drafted = sum(len(d) for d in drafts)
-        self.costs.observe(len(rows), t_decode if chunks else step_s, depth=depth,
-                           plain=n_drafted == 0 and not chunks, prefill=bool(chunks))
+        if not chunks:  # (a prompt chunk's step says little of the decode sizes drafting plans with,
+            # and the prefill budget keeps the calibration's curve: a noisy step must not move it)
+            self.costs.observe(len(rows), step_s, depth=depth, plain=n_drafted == 0)
         for r, d, p, n_ok in zip(decoding, drafts, proposals, kept):
             if r.speculation is not None and r in self.active:
                 plain_s = self.costs.time(len(rows) - len(d)) if d else step_s
