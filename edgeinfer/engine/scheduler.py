@@ -101,10 +101,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def depth(self) -> int:
-        """The context a step's rows attend over: the mean length of the running requests'
-        sequences (each sequence has a KV stream of its own)."""
-        lengths = [len(r.seq) for r in self.active if r.seq is not None]
-        return sum(lengths) // len(lengths) if lengths else 0
+        """The context a step's rows attend over: every cell the slots' caches hold (one unified
+        KV cache: a row's attention spans them all, masked)."""
+        return sum(len(s.seq) for s in self.slots)
 
     def idle_sequence(self) -> KVSequence | None:
         """An empty sequence of a free slot, while nothing runs: what the idle calibration may decode
