@@ -4,6 +4,7 @@ dequantized copy, and the CLI's papercuts — each as the user meets it."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_help_shows_every_default():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     missing = []
     for name, sub in commands.items():
-        text = " ".join(sub.format_help().split())
+        text = re.sub(r"-\s+", "-", " ".join(sub.format_help().split()))  # (argparse wraps after a hyphen)
         for action in sub._actions:
             if not action.option_strings or isinstance(action.default, bool) or action.default in (None, argparse.SUPPRESS, [], ()):
                 continue
@@ -110,7 +111,6 @@ def test_help_shows_every_default():
     assert not missing, missing
     run_help = " ".join(commands["run"].format_help().split())
     assert f"(default: {__import__('edgeinfer').DEFAULT_GENERATE.max_tokens})" in run_help  # --max-tokens had no help
-    import re
 
     assert re.search(r"--prompt-tokens PROMPT_TOKENS .*\(default:? 256\)", " ".join(commands["bench"].format_help().split()))
 
@@ -172,7 +172,6 @@ def test_readme_says_the_install_time_the_tiny_model_and_what_to_pull():
     commands print that before pip starts compiling, and CI runs the test command verbatim. The
     default model is said to be tiny, with one model to pull that fits (the library's recommendation)
     under the store name `pull` gives it."""
-    import re
     from pathlib import Path
 
     import edgeinfer

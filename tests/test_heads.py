@@ -249,6 +249,7 @@ def test_a_batch_engine_without_rollback_says_why_it_does_not_speculate(models):
 
 # -- bad input ---------------------------------------------------------------------------------------
 def test_mtp_on_a_model_without_an_mtp_layer_is_one_line(engines, default_model_path):
+    assert not engines("no-mtp").has_mtp and engines("agree").has_mtp  # (what the chat's panel offers by)
     with pytest.raises(SpeculationError) as e:
         engines("no-mtp").prepare_speculation("mtp")
     assert "has no MTP layer" in str(e.value) and "qwen35" in str(e.value) and "\n" not in str(e.value)

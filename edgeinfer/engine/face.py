@@ -23,6 +23,7 @@ from ..devices import last_placement
 from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
 from .llama import LlamaRuntime
 from .sampler import Sampler
+from .speculation.head_models import mtp_layers
 from .options import GenerateOptions, LoadOptions
 from .speculation.policy import CostModel
 
@@ -75,6 +76,11 @@ class ModelFace:
 
     def _slots_count(self) -> int:
         return 1
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model ships a multi-token-prediction layer (`--speculate mtp` drafts with it)."""
+        return mtp_layers(self.info) > 0
 
     @property
     def backend(self) -> str:

@@ -233,7 +233,8 @@ class SpeculationOptions:
                 f"unknown speculation method {self.method!r}: choose one of {', '.join(SPECULATION_METHODS)}"
             )
         if self.method in ("draft", "eagle3") and not self.draft_model:
-            raise InvalidOptionError(f"speculation method {self.method!r} needs a drafter model ({self.method}=MODEL)")
+            what = "a draft model" if self.method == "draft" else "an EAGLE-3 drafter model"
+            raise InvalidOptionError(f"speculation method {self.method!r} needs {what} ({self.method}=MODEL)")
         if not 1 <= self.draft_max <= 64:
             raise InvalidOptionError(f"draft_max must be in [1, 64], got {self.draft_max}")
         if not 0 <= self.draft_min <= self.draft_max:

@@ -103,6 +103,7 @@ README_KEYS = {
     "Ctrl+S edits": "settings",
     "Ctrl+L manages models": "manage",
     "F1 lists every key": "help",
+    "Ctrl+F opens it again": "tool_result",
 }
 
 

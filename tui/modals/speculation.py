@@ -7,8 +7,6 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 
-from edgeinfer.engine.speculation.head_models import mtp_layers
-
 from ..settings import SPECULATION_CHOICES, SpeculationSettings
 from .base import FormDialog, parse_number
 
@@ -37,8 +35,7 @@ class SpeculationScreen(FormDialog):
         has_mtp = self.has_mtp
         if has_mtp is None:
             loaded = getattr(getattr(self.app, "models", None), "loaded", None)
-            info = getattr(getattr(loaded, "engine", None), "info", None)
-            has_mtp = info is not None and mtp_layers(info) > 0
+            has_mtp = bool(getattr(getattr(loaded, "engine", None), "has_mtp", False))
         offered = [*SPECULATION_CHOICES, _MTP_CHOICE] if has_mtp or self.settings.method == "mtp" else SPECULATION_CHOICES
         return [(label, m) for m, label in offered]
 
