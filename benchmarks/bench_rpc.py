@@ -184,6 +184,7 @@ def measure(c: Config, prompt: list[int], decode_tokens: int) -> None:
     import edgeinfer
 
     opts = edgeinfer.GenerateOptions(max_tokens=decode_tokens, sampling=edgeinfer.SamplingOptions(temperature=0.0))
+    c.engine.reset()  # the same prompt every round: without this the engine reuses its cache (prefill 0)
     before = [p.counters() for p in c.proxies]
     done = c.engine.generate(prompt, opts).result()
     after = [p.counters() for p in c.proxies]
