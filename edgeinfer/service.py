@@ -30,7 +30,7 @@ Settings. `$EDGEINFER_HOME/serve.toml` (`read_settings_file`):
     [models."smollm2-135m-instruct:q8_0"]   # a store name, or a path (the operator's, not a request's)
     parallel = 1                            # slots
     ctx = 2048                              # whole context, split between the slots
-    kv_type = "q8_0"                        # also kv_type_k, kv_type_v, flash_attn
+    kv_type = "q8_0"                        # also kv_type_k, kv_type_v, flash_attn, kv_unified
     speculate = "lookup"                    # as --speculate
     keep_alive = "10m"                      # seconds or 30s / 5m / 1h; 0; -1 = for ever
     alias = ["fast"]                        # more names a request may use
@@ -170,6 +170,7 @@ class ModelSettings:
     kv_type_k: str | None = None
     kv_type_v: str | None = None
     flash_attn: bool | None = None
+    kv_unified: bool | None = None  # one KV cache for all slots (BatchOptions.kv_unified)
     gpu_layers: int | str | None = None
     draft_gpu_layers: int | str | None = None
     rpc: tuple[str, ...] | None = None
@@ -202,9 +203,9 @@ class ModelSettings:
                 if not isinstance(v, str):
                     raise InvalidOptionError(f"{where}: {key} must be a string, got {v!r}")
                 v = v.lower() if key != "speculate" else v
-            elif key == "flash_attn":
+            elif key in ("flash_attn", "kv_unified"):
                 if not isinstance(v, bool):
-                    raise InvalidOptionError(f"{where}: flash_attn must be true or false, got {v!r}")
+                    raise InvalidOptionError(f"{where}: {key} must be true or false, got {v!r}")
             elif key in ("gpu_layers", "draft_gpu_layers"):
                 if not (isinstance(v, int) and not isinstance(v, bool)) and v not in ("all", "auto"):
                     raise InvalidOptionError(f"{where}: {key} must be a number of layers, 'all' or 'auto', got {v!r}")
@@ -243,7 +244,8 @@ class ModelSettings:
         return replace(base, **given).validate()
 
     def batch_options(self) -> BatchOptions:
-        return (BatchOptions(parallel=self.parallel) if self.parallel is not None else BatchOptions()).validate()
+        given = {k: getattr(self, k) for k in ("parallel", "kv_unified") if getattr(self, k) is not None}
+        return BatchOptions(**given).validate()
 
     def speculation(self) -> SpeculationOptions:
         return SpeculationOptions.parse(self.speculate) if self.speculate is not None else DEFAULT_SPECULATION

@@ -88,6 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"default: serve.toml's, else {batch_defaults.parallel})")
     p.add_argument("--ctx", type=ctx_type, help="the default model's whole context in tokens, split evenly between "
                    "its slots (default: serve.toml's, else min(model's, 4096))")
+    p.add_argument("--kv-unified", "-kvu", action="store_const", const=True, default=None,
+                   help="one KV cache shared by the default model's slots, as llama-server's -kvu (default: a "
+                   "stream per slot, as llama-server with -np N: each request's attention covers its own cells "
+                   "only, but drafts of unequal length cost the step an extra pass)")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     p.add_argument("--kv-type", type=str.lower, help="the default model's KV-cache type: f16, q8_0, q4_0 "
                    f"(default: serve.toml's, else {load_defaults.kv_type})")
@@ -212,7 +216,7 @@ def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 -
     placement = {k: v for k, v in placement_options(args).items() if v not in (None, (), "auto")}
     flags = edgeinfer.ModelSettings(
         parallel=args.parallel, ctx=args.ctx, threads=args.threads, kv_type=args.kv_type,
-        speculate=args.speculate, gpu_layers=placement.get("n_gpu_layers"), rpc=placement.get("rpc"),
+        kv_unified=args.kv_unified, speculate=args.speculate, gpu_layers=placement.get("n_gpu_layers"), rpc=placement.get("rpc"),
         tensor_split=placement.get("tensor_split"), draft_gpu_layers=placement.get("draft_gpu_layers"),
     ).validate()
     preloads = {args.model or ""} | set(args.preload)

@@ -71,6 +71,10 @@ class BatchOptions:
     """How a BatchEngine schedules: slots, per-request buffering, drafting."""
 
     parallel: int = 4  # slots = sequences decoded together; the context is split between them
+    # One KV cache for every slot (llama-server's -kvu): any mix of rows decodes as one ubatch, but
+    # each row attends over every slot's cells. False: a stream per slot, as llama-server's -np N
+    # (engine/llama.py says what each costs). A model with MTP layers keeps one cache.
+    kv_unified: bool = False
     max_backlog: int = 256  # unread events after which a request pauses (a slow reader)
     # Most prompt rows a step takes while other requests decode; None: the cost curve's knee (see
     # engine/scheduler.py). Nothing decoding: waiting prompts fill the whole ubatch either way.
@@ -83,6 +87,8 @@ class BatchOptions:
     calibrate_when_idle: bool = True  # measure the cost curve while no request runs
 
     def validate(self) -> BatchOptions:
+        if not isinstance(self.kv_unified, bool):
+            raise InvalidOptionError(f"kv_unified must be True or False, got {self.kv_unified!r}")
         if not 1 <= self.parallel <= 64:
             raise InvalidOptionError(f"parallel must be in [1, 64], got {self.parallel}")
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or not isinstance(
@@ -159,7 +165,9 @@ class BatchEngine(ModelFace):
         if options.n_ctx is not None and options.n_ctx // n < 16:
             raise ContextLengthError(f"a context of {options.n_ctx} tokens split between {n} slots leaves "
                                      f"{options.n_ctx // n} per slot: raise --ctx or lower --parallel")
-        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp_layers(info) > 0)
+        mtp = mtp_layers(info) > 0  # (the MTP head's context shares the target's memory: one cache)
+        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp,
+                                     kv_unified=self.batch_options.kv_unified or mtp)
         self._note_placement()
         rt = self._runtime
         if rt.n_ctx // n < 16:

@@ -70,6 +70,30 @@ class DecodeRows:
         return out
 
 
+def ubatch_rows(shape: Sequence[tuple[int, int]], n_ubatch: int, unified: bool) -> list[int]:
+    """The ubatches llama.cpp splits one batch into: their row counts. `shape`: (sequence id, rows)
+    in batch order. A unified cache cuts the rows in n_ubatch pieces. A stream per sequence
+    (llama_batch_allocr::split_equal, sequential) takes a run of consecutive sequence ids from the
+    first with rows left, and from each of them the same number of rows: as many as the run's
+    fewest, within n_ubatch."""
+    if unified:
+        total = sum(n for _, n in shape)
+        return [min(n_ubatch, total - s) for s in range(0, total, n_ubatch)]
+    left = [[seq, n] for seq, n in shape if n > 0]
+    out: list[int] = []
+    while left:
+        run = [left[0]]
+        for e in left[1:]:
+            if e[0] == run[-1][0] + 1:
+                run.append(e)
+        each = min(min(e[1] for e in run), max(1, n_ubatch // len(run)))
+        out.append(each * len(run))
+        for e in run:
+            e[1] -= each
+        left = [e for e in left if e[1] > 0]
+    return out
+
+
 # -- ctypes structs ----------------------------------------------------------------------------------
 
 
@@ -124,19 +148,23 @@ class ModelFacts:
 class LlamaRuntime:
     """One model, one context, one reusable batch; no per-sequence state (engine/sequence.py).
 
-    With n_seq_max > 1 the context holds that many sequences in one unified KV cache: any mix of
-    sequences and of rows per sequence decodes as one ubatch. (With a KV stream per sequence,
-    llama.cpp splits a batch whose sequences have unequal row counts — drafts of different
-    lengths, a prompt chunk beside decoding requests — into several ubatches: 8 requests' tokens
-    plus one 8-token draft cost 427 ms there against 242 ms unified, on the 1.5B.)"""
+    With n_seq_max > 1 the context holds that many sequences, by default in one unified KV cache:
+    any mix of sequences and of rows per sequence decodes as one ubatch, but every row attends over
+    the cells of all sequences (masked). `kv_unified=False` gives each sequence its own stream, as
+    llama-server does with `-np N`: a row attends over its own sequence only (8 requests of ~330
+    tokens: 230 vs 259 ms a decode step on the 1.5B, `llama-batched-bench -npl 8 [-kvu]`), but
+    llama.cpp then splits a batch into ubatches of equal rows per sequence over consecutive ids
+    (see `ubatch_rows`): 8 requests' tokens plus one 8-token draft cost 427 ms there against 242 ms
+    unified."""
 
     def __init__(self, path: Path, options: LoadOptions, n_seq_max: int = 1, *, load_mtp: bool = False,
-                 rollback: int = 0):
+                 rollback: int = 0, kv_unified: bool = True):
         ll = backend()
         self._ll = ll
         self.path = path
         self.options = options
         self.n_seq_max = n_seq_max
+        self.kv_unified = kv_unified
         self.model = self.ctx = self.batch = None
         self.epoch = 0  # bumped when the context is made again (enable_rollback): every cache is empty then
         # Unpinned threads follow the cores that other processes leave free (edgeinfer.cpu).
@@ -166,6 +194,8 @@ class LlamaRuntime:
                 recurrent=bool(ll.llama_model_is_recurrent(self.model) or ll.llama_model_is_hybrid(self.model)),
             )
             self.n_nextn = int(ll.llama_model_n_layer_nextn(self.model)) if load_mtp else 0  # MTP layers loaded
+            # one sequence is one stream either way; recurrent/hybrid memory keeps the unified layout
+            self.kv_unified = kv_unified or n_seq_max == 1 or self.facts.recurrent
             n_ctx = options.n_ctx or min(self.facts.n_ctx_train, 4096)
             if n_ctx > self.facts.n_ctx_train:
                 raise ContextLengthError(
@@ -182,7 +212,7 @@ class LlamaRuntime:
                 n_batch=self.n_batch,
                 n_ubatch=self.n_batch,
                 n_seq_max=n_seq_max,
-                kv_unified=n_seq_max > 1,
+                kv_unified=self.kv_unified,
                 n_threads=self.threads,
                 n_threads_batch=self.threads,
                 type_k=KV_CACHE_TYPES[kv_k].ggml_type,
@@ -350,6 +380,13 @@ class LlamaRuntime:
         cannot drop a suffix (recurrent/hybrid: only a whole sequence can go, p0 = 0)."""
         self._check_open()
         return bool(self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make sequence `dst` a copy of the whole of `src` (between streams llama.cpp copies the
+        buffer, and only whole: p0 = p1 = -1, or it aborts)."""
+        self._check_open()
+        self._ll.llama_memory_seq_rm(self.memory, dst, -1, -1)
+        self._ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
     def clear(self) -> None:
         """Empty the whole KV cache (every sequence)."""

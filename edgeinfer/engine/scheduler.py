@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import EdgeInferError
 from .events import SpeculationStats
-from .llama import DecodeAborted, DecodeRows, LlamaRuntime
+from .llama import DecodeAborted, DecodeRows, LlamaRuntime, ubatch_rows
 from .options import SpeculationOptions
 from .request import RequestState
 from .sampler import Sampler
@@ -83,6 +83,11 @@ class Scheduler:
         self.runtime = runtime
         self.slots = [Slot(i, KVSequence(runtime, i)) for i in range(n_slots)]
         self.slot_ctx = runtime.n_ctx // n_slots
+        # A KV stream per slot (llama-server's layout with -np N): a row attends over its own
+        # sequence only, but a batch is cut into ubatches of equal rows per sequence over
+        # consecutive ids (llama.ubatch_rows); admission keeps the busy slots packed from 0 and
+        # the planner counts every extra ubatch a draft would cause.
+        self.split = n_slots > 1 and not runtime.kv_unified
         self.costs = costs
         self.drafts = drafts
         self.heads = heads  # drafting heads: each sees every row the target decodes (speculation/heads.py)
@@ -101,9 +106,18 @@ class Scheduler:
         self.waiting.append(req)
 
     def depth(self) -> int:
-        """The context a step's rows attend over: every cell the slots' caches hold (one unified
-        KV cache: a row's attention spans them all, masked)."""
-        return sum(len(s.seq) for s in self.slots)
+        """The context a step's rows attend over: every cell the slots' caches hold in one unified
+        KV cache (a row's attention spans them all, masked); with a stream per slot, a row's own
+        sequence (the mean over the running requests)."""
+        if not self.split:
+            return sum(len(s.seq) for s in self.slots)
+        lengths = [len(r.seq) for r in self.active if r.seq is not None]
+        return sum(lengths) // len(lengths) if lengths else 0
+
+    def step_cost(self, shape: list[tuple[int, int]]) -> float:
+        """Seconds of one decode of these (sequence id, rows), in sequence order, by the curve:
+        each ubatch llama.cpp will cut it into costs a step of its own."""
+        return sum(self.costs.time(n) for n in ubatch_rows(shape, self.runtime.n_batch, not self.split))
 
     def idle_sequence(self) -> KVSequence | None:
         """An empty sequence of a free slot, while nothing runs: what the idle calibration may decode
@@ -145,22 +159,29 @@ class Scheduler:
         depth = self.depth()
         self.costs.at(depth)
         chunks = self._prefill_chunks(prefilling, len(decoding))
-        proposals = self._plan(decoding, len(decoding) + sum(n for _, n in chunks))
+        proposals = self._plan(decoding, chunks)
 
+        # Rows in sequence order: with a stream per slot, consecutive ids share a ubatch.
         rows = DecodeRows()
-        firsts: list[int] = []
-        drafts: list[list[int]] = []
-        for r, p in zip(decoding, proposals):
-            assert r.seq is not None
-            d = p.tokens[: p.k] if p is not None else []
-            firsts.append(len(rows))
-            r.seq.rows([r.history[-1], *d], 0, into=rows)
-            drafts.append(d)
-        prompt_rows: list[int] = []
-        for r, n in chunks:
-            assert r.seq is not None
-            r.seq.rows(r.prompt[r.fed : r.fed + n], n - 1 if r.fed + n == len(r.prompt) else None, into=rows)
-            prompt_rows.append(len(rows) - 1)
+        firsts = [0] * len(decoding)
+        drafts: list[list[int]] = [[] for _ in decoding]
+        prompt_rows = [0] * len(chunks)
+        order = sorted([(r.seq.seq_id, 0, i) for i, r in enumerate(decoding)]  # type: ignore[union-attr]
+                       + [(r.seq.seq_id, 1, j) for j, (r, _) in enumerate(chunks)])  # type: ignore[union-attr]
+        shape: list[tuple[int, int]] = []
+        for seq_id, is_prompt, i in order:
+            start = len(rows)
+            if is_prompt:
+                r, n = chunks[i]
+                r.seq.rows(r.prompt[r.fed : r.fed + n], n - 1 if r.fed + n == len(r.prompt) else None,  # type: ignore[union-attr]
+                           into=rows)
+                prompt_rows[i] = len(rows) - 1
+            else:
+                r, p = decoding[i], proposals[i]
+                drafts[i] = p.tokens[: p.k] if p is not None else []
+                firsts[i] = start
+                r.seq.rows([r.history[-1], *drafts[i]], 0, into=rows)  # type: ignore[union-attr]
+            shape.append((seq_id, len(rows) - start))
 
         t0 = time.perf_counter()
         try:
@@ -196,12 +217,17 @@ class Scheduler:
             if r.speculation is not None and not r.prefilling and r in self.active:
                 self._isolated(r, r.speculation.start, r.seq, r.seq.seq_id)  # type: ignore[union-attr]
         n_drafted = sum(len(d) for d in drafts)
-        if not chunks:  # (a prompt chunk's step says little of the decode sizes drafting plans with,
-            # and the prefill budget keeps the calibration's curve: a noisy step must not move it)
+        one_ubatch = len(ubatch_rows(shape, rt.n_batch, not self.split)) == 1
+        if not chunks and one_ubatch:  # (a prompt chunk's step says little of the decode sizes drafting
+            # plans with, and the prefill budget keeps the calibration's curve: a noisy step must not
+            # move it; a step cut into several ubatches is not the cost of its row count)
             self.costs.observe(len(rows), step_s, depth=depth, plain=n_drafted == 0)
         for r, d, p, n_ok in zip(decoding, drafts, proposals, kept):
             if r.speculation is not None and r in self.active:
-                plain_s = self.costs.time(len(rows) - len(d)) if d else step_s
+                plain_s = step_s
+                if d:  # what the step would have cost without this draft
+                    mine = r.seq.seq_id  # type: ignore[union-attr]
+                    plain_s = self.step_cost([(q, n - len(d) if q == mine else n) for q, n in shape])
                 r.speculation.observe(p if d else None, len(d), n_ok, step_s, plain_s)
         for r in [r for r in self.active if r.finish is not None]:
             self._finish(r, r.finish)
@@ -237,9 +263,10 @@ class Scheduler:
             r.prompt_done(self.runtime, last_row)
 
     # -- decoding --------------------------------------------------------------------------------
-    def _plan(self, decoding: list[RequestState], base_rows: int) -> list[Proposal | None]:
+    def _plan(self, decoding: list[RequestState], chunks: list[tuple[RequestState, int]]) -> list[Proposal | None]:
         """Each decoding request's proposal, sized for the whole batch (see plan_drafts), and what
         a draft model then drafted for it."""
+        base_rows = len(decoding) + sum(n for _, n in chunks)
         out: list[Proposal | None] = [None] * len(decoding)
         specs = [(i, r.speculation) for i, r in enumerate(decoding) if r.speculation is not None]
         # A plain step now and then re-measures t1 (the unit of every cost): all requests take it.
@@ -253,7 +280,8 @@ class Scheduler:
             if self.runtime.facts.recurrent:  # a hybrid target rolls back at most n_rs_seq positions
                 room = min(room, self.runtime.n_rs_seq)
             out[i] = spec.propose(r.history, room, r.seq.seq_id) if room > 0 else None
-        planned = [p for p in out if p is not None and not p.fixed]
+        planned_at = [i for i, p in enumerate(out) if p is not None and not p.fixed]
+        planned = [out[i] for i in planned_at]
         base = base_rows + sum(p.limit for p in out if p is not None and p.fixed)
         if planned:
             costs = self.costs
@@ -276,8 +304,22 @@ class Scheduler:
                         j += 1
                 return total
 
+            seq_of = [decoding[i].seq.seq_id for i in planned_at]  # type: ignore[union-attr]
+            base_shape = {r.seq.seq_id: 1 + (p.limit if p is not None and p.fixed else 0)  # type: ignore[union-attr]
+                          for r, p in zip(decoding, out)}
+            base_shape.update({r.seq.seq_id: n for r, n in chunks})  # type: ignore[union-attr]
+
+            def ubatches(counts: list[int]) -> float:  # what the extra ubatches of a stream per slot cost
+                shape = dict(base_shape)
+                for seq_id, c in zip(seq_of, counts):
+                    shape[seq_id] += c
+                return self.step_cost(sorted(shape.items())) - costs.time(sum(shape.values()))
+
+            def extra(counts: list[int]) -> float:
+                return (drafting(counts) if models else 0.0) + (ubatches(counts) if self.split else 0.0)
+
             counts = plan_drafts([p.gains for p in planned], base, lambda b: costs.time(b) * costs.optimism(b),
-                                 self.runtime.n_batch, self.margin, drafting if models else None)
+                                 self.runtime.n_batch, self.margin, extra if models or self.split else None)
             for p, k in zip(planned, counts):
                 p.k = k
         for p in out:
@@ -323,12 +365,30 @@ class Scheduler:
         while self.waiting and free:
             r = self.waiting.pop(0)
             slot = max(free, key=lambda s: (common_prefix(s.seq.cached, r.prompt), -s.last_used))
-            free.remove(slot)
             try:
+                if self.split:
+                    slot = self._packed(slot, free, r.prompt)
+                free.remove(slot)
                 self._start(r, slot)
             except Exception as e:  # noqa: BLE001 - this request fails, not the ones queued behind it
                 log.exception("could not start a request")
                 self._fail(r, e)
+
+    def _packed(self, chosen: Slot, free: list[Slot], prompt: list[int]) -> Slot:
+        """With a stream per slot: the lowest free slot, holding what `chosen` (the best prefix, else
+        the least recently used) holds, so that busy slots stay packed from 0 (a gap costs every
+        step a ubatch) and the cache given up is the one the choice would have given up."""
+        lowest = min(free, key=lambda s: s.index)
+        if chosen is lowest:
+            return lowest
+        if common_prefix(chosen.seq.cached, prompt) > common_prefix(lowest.seq.cached, prompt):
+            spares = [s for s in free if s is not chosen and s is not lowest]
+            if lowest.seq.cached and spares:  # keep the lowest's cache in the least recently used spare
+                min(spares, key=lambda s: (len(s.seq) > 0, s.last_used)).seq.copy_from(lowest.seq)
+            lowest.seq.copy_from(chosen.seq)
+        elif lowest.seq.cached:
+            chosen.seq.copy_from(lowest.seq)  # `chosen` is the one given up
+        return lowest
 
     def _start(self, r: RequestState, slot: Slot) -> None:
         rt = self.runtime

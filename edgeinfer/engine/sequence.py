@@ -87,6 +87,13 @@ class KVSequence:
             self.saved_logits = None
         del self.cached[n_keep:]
 
+    def copy_from(self, other: KVSequence) -> None:
+        """Hold what `other` holds (its cache copied: a request may take the lowest free slot and
+        still reuse the prefix another slot kept)."""
+        self.runtime.seq_cp(other.seq_id, self.seq_id)
+        self.cached = list(other.cached)
+        self.saved_logits = other.saved_logits
+
     def clear(self) -> None:
         self.truncate(0)
         self.saved_logits = None
