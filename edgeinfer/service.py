@@ -397,6 +397,7 @@ class ModelStatus:
     load_s: float | None  # how long the load took
     pinned: bool  # given to the service by its caller: never unloaded
     aliases: tuple[str, ...] = ()
+    kv_unified: bool = False  # one KV cache for all slots (else a stream per slot)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -932,7 +933,8 @@ class ModelService:
                 requests=leases, slots_busy=busy, queue_depth=queued, calibrating=calibrating,
                 idle_s=None if leases else max(0.0, now - last_used), keep_alive=-1.0 if e.pinned else keep,
                 expires_in_s=expires_in, expires_at=None if expires_in is None else wall + expires_in,
-                loaded_at=e.loaded_at, load_s=e.load_s, pinned=e.pinned, aliases=plan.aliases))
+                loaded_at=e.loaded_at, load_s=e.load_s, pinned=e.pinned, aliases=plan.aliases,
+                kv_unified=plan.batch.kv_unified))
         return out
 
     def catalog(self) -> list[CatalogEntry]:

@@ -19,6 +19,7 @@ from greedy_compare import assert_same_or_near_tie
 
 import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
+from edgeinfer.engine.llama import ubatch_rows
 from edgeinfer.engine.request import RequestState
 from edgeinfer.engine.scheduler import Scheduler
 
@@ -91,6 +92,7 @@ def concurrently(engine: BatchEngine, prompts: list[list[int]], options: Generat
 METHODS = {
     "lookup": "lookup",
     "lookup-fixed": SpeculationOptions(method="lookup", adaptive=False, draft_max=3),
+    "lookup-fixed-one-cache": SpeculationOptions(method="lookup", adaptive=False, draft_max=3),  # kv_unified
     "draft-fixed": "draft",
     "self-fixed": "self",
     "auto-draft": "auto",
@@ -109,8 +111,8 @@ def test_every_method_keeps_greedy_output_at_1_4_and_8_requests(name, f16_path, 
         spec = SpeculationOptions(method="auto", draft_model=str(default_model_path))
     else:
         spec = SpeculationOptions(method=method) if isinstance(method, str) else method
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=8192,
-                          flash_attn=False, speculation=spec) as be:
+    batch = BatchOptions(parallel=8, calibrate_when_idle=False, kv_unified=name.endswith("-one-cache"))
+    with BatchEngine.load(f16_path, batch=batch, n_ctx=8192, flash_attn=False, speculation=spec) as be:
         drafted = 0
         for n in (1, 4, 8):
             chosen = plain[:n] if n > 1 else plain[:1]
@@ -123,6 +125,39 @@ def test_every_method_keeps_greedy_output_at_1_4_and_8_requests(name, f16_path, 
         assert m.rows > m.steps  # steps carried several requests (and drafts)
         if not spec.adaptive:
             assert drafted > 0 and m.accepted > 0, (name, drafted, m)
+
+
+def test_ubatch_rows_follows_llama_cpps_split():
+    """llama_batch_allocr::split_equal (a stream per sequence, sequential): a run of consecutive
+    sequence ids, the same rows from each; split_simple (one cache): n_ubatch pieces."""
+    assert ubatch_rows([(0, 1), (1, 1), (2, 1), (3, 1)], 512, False) == [4]
+    assert ubatch_rows([(0, 1), (1, 1), (2, 1), (3, 9)], 512, False) == [4, 8]  # one draft: a second pass
+    assert ubatch_rows([(0, 4), (1, 4)], 512, False) == [8]  # equal drafts: one
+    assert ubatch_rows([(0, 1), (2, 1), (3, 1)], 512, False) == [1, 2]  # a gap in the ids
+    assert ubatch_rows([(0, 1), (1, 600)], 512, False) == [2, 512, 87]
+    assert ubatch_rows([(0, 300), (1, 300)], 256, False) == [256, 256, 88]  # 128 rows of each, then the rest
+    assert ubatch_rows([(0, 1), (2, 1), (3, 9), (7, 300)], 512, True) == [311]
+
+
+def test_a_stream_per_slot_packs_requests_from_slot_0_and_keeps_the_caches(f16_path, single, plain):
+    """A new request takes the lowest free slot; the prefix another slot holds is copied there
+    (and the cache it overwrites is kept in the slot the choice gives up): prefix reuse as before,
+    the same tokens, busy slots packed (a gap would cost every step a ubatch)."""
+    (p0, r0), (p1, _), (p2, _), (p3, r3) = plain[:4]
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False) as be:
+        concurrently(be, [p0, p1, p2, p3], greedy())
+        cached = [s.cached_tokens for s in be.metrics().slots]
+        assert all(c > 0 for c in cached), cached  # four slots, four caches
+        again = be.submit(p3, greedy()).result()  # p3's cache is in the last slot: it is copied to slot 0
+        assert again.stats.cached_tokens == len(p3)
+        assert_same_or_near_tie(single, p3, r3, again.tokens)
+        slots = be.metrics().slots
+        assert slots[0].cached_tokens >= len(p3) + len(r3) - 1, slots
+        first = be.submit(p0, greedy()).result()  # p0's cache was kept in the slot given up
+        assert first.stats.cached_tokens == len(p0), first.stats
+        assert_same_or_near_tie(single, p0, r0, first.tokens)
+        assert be.kv_unified is False
 
 
 def test_the_rejection_rule_keeps_the_distribution_through_the_batch_path(f16_path, default_model_path, single):

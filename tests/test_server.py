@@ -86,7 +86,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(f16_path, tmp_path_factory) -> Iterator[Server]:  # noqa: F811
     s = Server(f16_path, tmp_path_factory.mktemp("serve-home"), "--parallel", "4", "--ctx", "8192",
-               "--max-tokens-limit", "1024")
+               "--max-tokens-limit", "1024", "-kvu")  # one KV cache here; a stream per slot elsewhere
     yield s
     assert s.stop() == 0
 
@@ -178,6 +178,7 @@ def test_models_health_metrics(server, model_id):
     base = server.url.removesuffix("/v1")
     health = httpx.get(base + "/health").json()
     assert health["status"] == "ok" and health["slots"] == 4
+    assert any("4 slots of 2048 tokens, one KV cache" in line for line in server.log), server.log  # -kvu
     text = server.metrics()
     for name in ("edgeinfer_requests_submitted_total", "edgeinfer_queue_depth", "edgeinfer_slot_decode_tokens_per_second",
                  "edgeinfer_speculation_acceptance_ratio", "edgeinfer_http_requests_total"):

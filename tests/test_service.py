@@ -258,7 +258,7 @@ def test_settings_file_tables_flags_and_one_line_errors(store, tmp_path):
     path.write_text(
         '[defaults]\nparallel = 3\nctx = 1536\nkeep_alive = "90s"\n'
         f'[models."{Q8}"]\nparallel = 1\nkv_type = "Q8_0"\nspeculate = "lookup"\nkeep_alive = -1\nbatch = 256\n'
-        f'threads = 1\nflash_attn = true\ngpu_layers = 0\n')
+        f'threads = 1\nflash_attn = true\ngpu_layers = 0\nkv_unified = true\n')
     defaults, tables = read_settings_file(path)
     options = ServiceOptions(defaults=defaults, models=tables, default_model=DEFAULT,
                              default_settings=ModelSettings(parallel=2, ctx=1024))
@@ -267,6 +267,7 @@ def test_settings_file_tables_flags_and_one_line_errors(store, tmp_path):
     assert (q8.parallel, q8.load.kv_types, q8.speculation.method, q8.keep_alive, q8.load.n_batch) == \
         (1, ("q8_0", "q8_0"), "lookup", -1, 256)
     assert (q8.load.n_threads, q8.load.flash_attn, q8.load.n_gpu_layers, q8.n_ctx) == (1, True, 0, 1536)
+    assert (q8.batch.kv_unified, f16.batch.kv_unified) == (True, False)
     assert (f16.parallel, f16.n_ctx, f16.keep_alive, f16.speculation.method) == (3, 1536, 90, "off")
     assert (default.parallel, default.n_ctx, default.n_ctx_per_request) == (2, 1024, 512)  # flags over [defaults]
     assert q8.memory.kv_cache < f16.memory.kv_cache  # q8_0 cache
@@ -278,6 +279,7 @@ def test_settings_file_tables_flags_and_one_line_errors(store, tmp_path):
         ("[defaults]\nkeep_alive = 'soon'\n", "keep_alive must be"),
         ("[defaults]\nspeculate = 'magic'\n", "magic"),
         ("[defaults]\nalias = [1]\n", "alias must be"),
+        ("[defaults]\nkv_unified = 1\n", "kv_unified must be true or false"),
         ("[server]\nport = 1\n", "unknown table or key 'server'"),
         ("[models]\nx = 1\n", "must be a table"),
         ("parallel = [\n", "not valid TOML"),

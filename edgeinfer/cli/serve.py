@@ -242,8 +242,9 @@ def _preload(service, model):  # noqa: ANN001, ANN202 - edgeinfer types
         raise edgeinfer.InvalidOptionError(
             f"{model or 'the default model'} does not fit beside the models loaded before it: raise --max-memory "
             "or --max-loaded, or preload fewer") from None
+    layout = ", one KV cache" if status.kv_unified and status.parallel > 1 else ""
     print(f"edgeinfer: loaded {status.name} in {status.load_s or 0:.1f} s ({status.parallel} slots of "
-          f"{status.n_ctx_per_request} tokens, ~{status.memory.total / 1e9:.2f} GB)", file=sys.stderr, flush=True)
+          f"{status.n_ctx_per_request} tokens{layout}, ~{status.memory.total / 1e9:.2f} GB)", file=sys.stderr, flush=True)
     return status
 
 

@@ -234,6 +234,12 @@ class BatchEngine(ModelFace):
     def parallel(self) -> int:
         return self.batch_options.parallel
 
+    @property
+    def kv_unified(self) -> bool:
+        """Whether the slots share one KV cache (BatchOptions.kv_unified, or a model with MTP
+        layers) rather than a stream each."""
+        return self._runtime.kv_unified
+
     def _slots_count(self) -> int:
         return self.batch_options.parallel
 
