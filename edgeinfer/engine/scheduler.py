@@ -243,8 +243,6 @@ class Scheduler:
         budget = min(rt.n_batch - n_decoding, self.costs.prefill_knee(rt.n_batch))
         if n_decoding and self.prefill_chunk:
             budget = min(budget, self.prefill_chunk)
-        if self.split and len(prefilling) > 1:
-            return self._shared_chunks(prefilling, budget)
         chunks = []
         for r in prefilling:
             if budget <= 0:
@@ -253,26 +251,6 @@ class Scheduler:
             chunks.append((r, n))
             budget -= n
         return chunks
-
-    @staticmethod
-    def _shared_chunks(prefilling: list[RequestState], budget: int) -> list[tuple[RequestState, int]]:
-        """With a stream per slot: the budget shared evenly between the waiting prompts (what one
-        prompt cannot use goes to the others), so that their rows form equal-split ubatches and the
-        prompts that came together start decoding together, in full batches, as on llama-server
-        (first come first served would run the early ones' decode steps in small batches of their
-        own beside every later chunk)."""
-        left = {id(r): len(r.prompt) - r.fed for r in prefilling}
-        given = dict.fromkeys(left, 0)
-        while budget > 0:
-            open_ = [r for r in prefilling if left[id(r)] > given[id(r)]]
-            if not open_:
-                break
-            each = max(1, budget // len(open_))
-            for r in open_[:budget]:
-                n = min(each, left[id(r)] - given[id(r)], budget)
-                given[id(r)] += n
-                budget -= n
-        return [(r, given[id(r)]) for r in prefilling if given[id(r)] > 0]
 
     def _prompt_chunk(self, r: RequestState, n: int, last_row: int) -> None:
         assert r.seq is not None
