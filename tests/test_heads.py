@@ -323,6 +323,7 @@ def test_eagle3_greedy_output_is_token_identical_on_both_faces(eagle3):
         accounting(fast.stats.speculation, fast.tokens)
     with BatchEngine.load(t, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=1024, kv_type="f32",
                           flash_attn=False, speculation=f"eagle3={d}") as be:
+        assert be.kv_unified  # a head reads hidden states by batch row: one cache
         for n in (1, 4):
             done = concurrently(be, PROMPTS[:n], greedy(spec))
             for prompt, reference, r in zip(PROMPTS, plain, done):

@@ -165,9 +165,13 @@ class BatchEngine(ModelFace):
         if options.n_ctx is not None and options.n_ctx // n < 16:
             raise ContextLengthError(f"a context of {options.n_ctx} tokens split between {n} slots leaves "
                                      f"{options.n_ctx // n} per slot: raise --ctx or lower --parallel")
-        mtp = mtp_layers(info) > 0  # (the MTP head's context shares the target's memory: one cache)
+        mtp = mtp_layers(info) > 0
+        # A drafting head reads the target's hidden states by batch row, and llama.cpp reorders
+        # only logits when it cuts a batch into per-stream ubatches: with heads, one cache.
+        head = isinstance(speculation, str) and speculation.strip().partition("=")[0] in ("mtp", "eagle3") or \
+            isinstance(speculation, SpeculationOptions) and speculation.method in ("mtp", "eagle3")
         self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp,
-                                     kv_unified=self.batch_options.kv_unified or mtp)
+                                     kv_unified=self.batch_options.kv_unified or mtp or head)
         self._note_placement()
         rt = self._runtime
         if rt.n_ctx // n < 16:
