@@ -14,6 +14,7 @@ from __future__ import annotations
 from .engine import Engine, Generation, load
 from .engine.batch import BatchEngine, BatchGeneration, BatchMetrics, BatchOptions, ScoredTokenEvent, SlotMetrics
 from .engine.embedding import EmbeddingResult, EmbedOptions
+from .engine.flash_choice import FlashAttnChoice
 from .engine.events import (
     DoneEvent,
     Event,
@@ -114,6 +115,7 @@ __all__ = [
     "PrefillProgress",
     # saved conversations (engine.save_session / restore_session, BatchEngine.save_slot / restore_slot)
     "SessionInfo",
+    "FlashAttnChoice",
     "RestoreResult",
     # many models by name (servers): loaded on demand, kept warm, evicted by memory
     "ModelService",

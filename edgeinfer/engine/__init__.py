@@ -34,6 +34,7 @@ from ..validate import admit
 from .chat import Message
 from .drafts import DraftModels, ProgressCallback, TargetModel
 from .face import ModelFace
+from .flash_choice import FlashAttnChoice, measure_flash_attn, remember_flash_attn, with_measured_flash_attn
 from .generation import Generation
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
@@ -151,8 +152,9 @@ class Engine(ModelFace):
         self.path = Path(path)
         self.info = info
         self.manifest = manifest
-        self.options = options
         self.store = store or Store()
+        # flash attention left to us: on or off as `measure_flash_attn` found faster here (flash_choice)
+        self.options = options = with_measured_flash_attn(self.path, options, self.store)
         self._closed = False
         self._runtime = LlamaRuntime(self.path, options, load_mtp=mtp_layers(info) > 0)
         self._note_placement()
@@ -239,6 +241,20 @@ class Engine(ModelFace):
         if save:
             self.save_decode_costs()
         return costs
+
+    def measure_flash_attn(self, tokens: Sequence[int], *, steps: int = 8, save: bool = True) -> FlashAttnChoice:
+        """Time a prefill of `tokens` (any text's, as many as the context depth to judge at) and
+        one-token decodes after it with flash attention on and off, on scratch contexts beside
+        this one (see engine/flash_choice.py). `save` keeps the verdict in the store: later loads
+        of this model with these threads and KV types that leave `flash_attn` unset use it.
+        Waits for a running generation."""
+        self._check_open()
+        with self._slot.hold():
+            choice = measure_flash_attn(self._runtime, tokens, steps)
+        log.info("%s: %s", self.name, choice.summary())
+        if save:
+            remember_flash_attn(self.path, self.options, self.store, choice)
+        return choice
 
     def save_decode_costs(self) -> None:
         """Keep the measured cost curve in the store (a prior is never kept: it is no fact)."""
