@@ -30,14 +30,16 @@ import numpy as np
 from .gguf_file import GGUFInfo, read_gguf
 
 if TYPE_CHECKING:
+    from .engine.flash_choice import FlashAttnChoice
     from .store import Store
 
 __all__ = ["BenchProgress", "BenchResult", "DraftCosts", "MachineLoad", "SpeculationCosts", "measure_bandwidth",
-           "bytes_per_token", "bench", "bench_many", "draft_cost_model"]
+           "bytes_per_token", "bench", "bench_many", "draft_cost_model", "FLASH_DEPTH"]
 
 # Acceptance rates the draft-model table is given for; the depths the cost curve is measured at.
 _ACCEPTANCES = (0.6, 0.7, 0.8, 0.9, 0.95)
 _COST_DEPTHS = (64, 1024)
+FLASH_DEPTH = 512  # the context depth flash attention is timed at, on and off
 
 _bandwidth_cache: dict[int, float] = {}
 
@@ -131,6 +133,7 @@ class BenchResult:
     speculation: SpeculationCosts | None = None
     draft: DraftCosts | None = None
     backend: str = "CPU"  # where the layers ran (edgeinfer.devices.Placement.summary)
+    flash_attn: FlashAttnChoice | None = None  # flash attention timed on and off (None: not measured)
 
     def to_metrics(self) -> dict[str, Any]:
         d = asdict(self)
@@ -186,14 +189,18 @@ def bench(
     draft: str | Path | None = None,
     bandwidth: float | None = None,
     placement: Mapping[str, Any] | None = None,
+    flash_depth: int = FLASH_DEPTH,
 ) -> BenchResult:
     """Prefill and decode tok/s at batch 1 (best of `repeats`), greedy, through the engine; with
     `speculation`, the batch cost curve too; with a `draft` model (implies `speculation`), its cost
     model (DraftCosts). Saved in the store unless the machine was busy (`save_busy` saves anyway,
     marked). `placement`: LoadOptions fields n_gpu_layers, rpc, tensor_split; a run on RPC workers
-    is not saved (it measures those machines too, not this one)."""
+    is not saved (it measures those machines too, not this one). `flash_depth`: the context depth
+    at which flash attention is timed on and off (engine/flash_choice.py; 0: not measured), the
+    verdict kept for later loads of the model that leave flash attention unset."""
     from .devices import last_placement
     from .engine import load
+    from .engine.flash_choice import remember_flash_attn
     from .engine.options import GenerateOptions, LoadOptions, SamplingOptions
     from .store import Store
 
@@ -202,12 +209,13 @@ def bench(
     path, manifest = store.resolve(model)
     info = read_gguf(path)
     bw = bandwidth or measure_bandwidth()
-    n_ctx = max(512, prompt_tokens + decode_tokens + 16, max(_COST_DEPTHS) + 64 if speculation else 0)
+    n_ctx = max(512, prompt_tokens + decode_tokens + 16, max(_COST_DEPTHS) + 64 if speculation else 0,
+                flash_depth + 16 if flash_depth else 0)
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, **dict(placement or {})).validate()
     save = save and not options.rpc
     best_prefill = best_decode = 0.0
     generated = 0
-    spec_costs = draft_costs = None
+    spec_costs = draft_costs = flash = None
     threads = options.threads
     load_before = MachineLoad.now()
     with load(model=manifest.ref if manifest else str(path), options=options) as engine:
@@ -224,10 +232,14 @@ def bench(
             spec_costs = _speculation_costs(costs)
             if draft is not None:
                 draft_costs = _draft_costs(engine, costs, draft, options, prompt, gen_options, max(3, repeats))
+        if flash_depth:
+            flash = engine.measure_flash_attn(_prompt_tokens(engine, flash_depth), save=False)
         placed = last_placement(path)
         machine = MachineLoad(load_before, MachineLoad.now(), os.cpu_count() or 1, threads)
         if speculation and save and (save_busy or not machine.busy):
             engine.save_decode_costs()
+        if flash is not None and save and (save_busy or not machine.busy):
+            remember_flash_attn(path, options, store, flash)
     bpt = bytes_per_token(info)
     roof = bw / bpt if bpt else 0.0
     result = BenchResult(
@@ -246,6 +258,7 @@ def bench(
         speculation=spec_costs,
         draft=draft_costs,
         backend=placed.summary() if placed is not None else "CPU",
+        flash_attn=flash,
     )
     if save and manifest is not None and (save_busy or not machine.busy):
         store.update_metrics(manifest.ref, "bench", result.to_metrics())

@@ -86,12 +86,13 @@ def test_bandwidth_and_bytes_per_token(default_model_path: Path, tmp_path: Path)
 def test_bench_default_model(capsys: pytest.CaptureFixture[str]):
     import json
 
+    import edgeinfer
     from edgeinfer import Store
     from edgeinfer.cli import main
 
     # --save-busy: this machine may be shared right now; the figures are then saved marked busy.
     assert main(["bench", "--prompt-tokens", "32", "--decode-tokens", "8", "--repeats", "1", "--json",
-                 "--save-busy"]) == 0
+                 "--save-busy", "--flash-depth", "64"]) == 0
     (r,) = json.loads(capsys.readouterr().out)
     assert r["model"] == "smollm2-135m-instruct:q4_1"
     assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["prompt_tokens"] == 32
@@ -100,21 +101,36 @@ def test_bench_default_model(capsys: pytest.CaptureFixture[str]):
     saved = Store().get("smollm2-135m-instruct:q4_1").metrics["bench"]
     assert saved["decode_tok_s"] == r["decode_tok_s"] and saved["busy"] == r["busy"]
     assert r["load"]["before"] >= 0 and r["load"]["threads"] >= 1
+    # flash attention timed on and off after 64 tokens; the next load that leaves it unset takes the verdict
+    fa = r["flash_attn"]
+    assert fa["depth"] == 64 and min(fa["decode_on_s"], fa["decode_off_s"], fa["prefill_on_s"]) > 0
+    verdict = edgeinfer.FlashAttnChoice.from_dict(fa).flash_attn
+    with edgeinfer.load(n_ctx=256) as engine:
+        assert engine.options.flash_attn is verdict
 
 
 @pytest.mark.slow
 def test_bench_on_a_busy_machine_saves_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     import json
 
+    import edgeinfer
     import edgeinfer.bench
     from edgeinfer import Store
     from edgeinfer.cli import main
 
     monkeypatch.setattr(edgeinfer.bench.MachineLoad, "now", staticmethod(lambda: 40.0))  # 40 runnable processes
-    assert main(["bench", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1", "--json"]) == 0
+    assert main(["bench", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1", "--json",
+                 "--flash-depth", "32"]) == 0
     (r,) = json.loads(capsys.readouterr().out)
     assert r["busy"] is True
     assert "bench" not in Store().get("smollm2-135m-instruct:q4_1").metrics
+    assert r["flash_attn"]["depth"] == 32
+    with edgeinfer.load(n_ctx=256) as engine:  # the verdict of a busy machine is not kept either
+        assert engine.options.flash_attn is None
+    assert main(["bench", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1", "--json",
+                 "--flash-depth", "0"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["flash_attn"] is None
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ import json
 import sys
 from dataclasses import asdict
 
+from edgeinfer.bench import FLASH_DEPTH
+
 from ._common import INT32_MAX, add_placement_options, common_options, format_bytes, int_range, placement_options, print_table, threads_type, THREADS_HELP
 
 __all__ = ["register"]
@@ -33,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", metavar="MODEL", help="model what this draft model's drafts would buy (implies "
                    "--speculation): its token cost in target steps (measured alternating), the expected speed-up "
                    "of k-token drafts, the acceptance above which it pays")
+    p.add_argument("--flash-depth", type=int_range(0, INT32_MAX), default=FLASH_DEPTH, metavar="TOKENS",
+                   help=f"time flash attention on and off after this many tokens of context and keep the faster for "
+                   f"later loads that leave it unset (default {FLASH_DEPTH}; 0: do not measure)")
     p.add_argument("--save-busy", action="store_true",
                    help="save figures even when the machine was busy (they are marked busy)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -45,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     models = args.models or [None]
     progress = None if args.json else (lambda e: print(f"… {e.phase} {e.model}".rstrip(), file=sys.stderr, flush=True))
     common = dict(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
-                  n_threads=args.threads, save_busy=args.save_busy, placement=placement_options(args))
+                  n_threads=args.threads, save_busy=args.save_busy, placement=placement_options(args),
+                  flash_depth=args.flash_depth)
     results = bench_many(models, speculation=args.speculation, draft=args.draft, on_progress=progress, **common)
     if args.json:
         out = [asdict(r) | {"busy": bool(r.load and r.load.busy)} for r in results]
@@ -58,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nmemory read bandwidth {bw / 1e9:.1f} GB/s (numpy, best of 5); {results[0].n_threads} threads")
     for r in results:
         print(f"{r.model}: layers on {r.backend}")
+        if r.flash_attn is not None:
+            print(f"{r.model}: {r.flash_attn.summary()}")
     for r in results:
         _print_speculation(r)
         _print_draft(r)

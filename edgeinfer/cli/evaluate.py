@@ -175,7 +175,7 @@ def _ladder(args: argparse.Namespace) -> int:
         if need:
             bar = ProgressBar("bench", len(need))
             try:
-                results = bench_many(need, prompt_tokens=128, decode_tokens=48, repeats=1, n_threads=args.threads,
+                results = bench_many(need, prompt_tokens=128, decode_tokens=48, repeats=1, n_threads=args.threads, flash_depth=0,
                                      placement=placement_options(args),
                                      store=store, on_progress=lambda e: bar.update(max(e.model_index - 1, 0),
                                                                                    label=f"bench {e.model}"))

@@ -56,6 +56,7 @@ BAD_NUMBERS = [
     (["quantize", DEFAULT_MODEL, "--type", "Q4_K_M", "--threads", "9999"], "--threads"),
     (["bench", "--threads", "9999"], "--threads"),
     (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--flash-depth", "-1"], "--flash-depth"),
     (["bench", "--prompt-tokens", "2147483648"], "--prompt-tokens"),
     (["eval", DEFAULT_MODEL, "--ctx", "2147483648"], "--ctx"),
     (["eval", DEFAULT_MODEL, "--chunks", "0"], "--chunks"),
