@@ -6,7 +6,11 @@ noisy, so the ratios matter more than the absolute numbers). Peak RSS is measure
 child processes, one per implementation.
 
     .venv/bin/python -m benchmarks.bench_decode [--rounds 5] [--tokens 256] [--threads 2] [--pair | --model PATH]
-        [--no-rss]
+        [--no-rss] [--no-flash-choice]
+
+A second row loads the model again after `Engine.measure_flash_attn` (what `edgeinfer bench` keeps):
+flash attention on or off as measured faster here (`--no-flash-choice` skips it; run with a fresh
+EDGEINFER_HOME so that the first row is llama.cpp's own choice).
 
 --pair runs it on the real Qwen2.5-Coder-1.5B-Instruct Q4_K_M (tests/real_models.py). The 1-minute
 load average is printed next to the table: on a shared machine read the ratios.
@@ -97,6 +101,8 @@ def main() -> None:
     ap.add_argument("--model", help="GGUF path (default: the default model)")
     ap.add_argument("--pair", action="store_true", help="the real Qwen2.5-Coder-1.5B target")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
+    ap.add_argument("--no-flash-choice", action="store_true",
+                    help="skip the row of an engine loaded with the flash-attention verdict it measured first")
     args = ap.parse_args()
 
     import os
@@ -113,11 +119,21 @@ def main() -> None:
     else:
         path = args.model or str(default_model_file())
     load_before = os.getloadavg()[0]
-    engine = edgeinfer.load(path, n_ctx=2048, n_threads=args.threads)
+    engine = edgeinfer.load(path, n_ctx=2048, n_threads=args.threads)  # (a fresh store: llama.cpp's auto)
+    impls = {"edgeinfer loop": lambda: run_ours(engine, args.tokens)}
+    if not args.no_flash_choice:  # what `edgeinfer bench` measures and later loads use (engine/flash_choice.py)
+        from edgeinfer.bench import FLASH_DEPTH
+        from edgeinfer.evaluate import default_eval_text
+
+        probe = engine.tokenize(default_eval_text(), add_special=True)[:FLASH_DEPTH]
+        choice = engine.measure_flash_attn(probe)
+        print(f"measured: {choice.summary()}", file=sys.stderr)
+        measured = edgeinfer.load(path, n_ctx=2048, n_threads=args.threads)
+        impls[f"edgeinfer loop, flash attention {'on' if measured.options.flash_attn else 'off'} (measured)"] = \
+            lambda: run_ours(measured, args.tokens)
     llm = llama_cpp.Llama(path, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    impls = {"edgeinfer loop": lambda: run_ours(engine, args.tokens),
-             "llama-cpp-python create_completion": lambda: run_binding(llm, args.tokens),
-             "llama_decode only (C++ floor)": lambda: run_decode_only(engine, args.tokens)}
+    impls |= {"llama-cpp-python create_completion": lambda: run_binding(llm, args.tokens),
+              "llama_decode only (C++ floor)": lambda: run_decode_only(engine, args.tokens)}
     for f in impls.values():  # warm-up
         f()
     results: dict[str, list[tuple[float, float, int]]] = {k: [] for k in impls}
