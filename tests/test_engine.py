@@ -62,6 +62,24 @@ def test_streamed_text_equals_final_text(default_engine):
     assert s.ttft_s > 0 and s.prefill_tok_s > 0 and s.decode_tok_s > 0
 
 
+def test_a_token_reaches_the_reader_in_the_step_that_sampled_it(default_engine):
+    """No event waits for the next token (under load a step is seconds: the first token would
+    show a step late): only one whose text is held back, here while " 9," may be a stop string."""
+    gen = default_engine.generate("1, 2, 3, 4, 5,", greedy(12))
+    seen = []
+    for e in gen:
+        if isinstance(e, edgeinfer.TokenEvent):
+            seen.append((e.text, gen.stats.generated_tokens))
+    assert [n for _, n in seen] == list(range(1, 13))  # event i while i tokens were sampled
+    gen = default_engine.generate("1, 2, 3, 4, 5,", greedy(12, stop=(" 9,",)))
+    held = []
+    for e in gen:
+        if isinstance(e, edgeinfer.TokenEvent):
+            held.append(gen.stats.generated_tokens - len(held) - 1)
+    text = gen.result().text
+    assert text == " 6, 7, 8," and 1 in held  # a " 9" (or " ") waited for what could end the stop string
+
+
 def test_chat_template_is_the_models_own(default_engine):
     rendered = default_engine.render_chat([{"role": "user", "content": "Hi"}])
     assert rendered == (

@@ -61,7 +61,7 @@ class RequestState:
         self.text = TextAssembler(options.stop)
         self.history: list[int] = list(prompt)
         self.generated: list[int] = []
-        self.held: TokenEvent | None = None  # each event waits one token (see commit)
+        self.held: TokenEvent | None = None  # an event waits while its text is incomplete (see commit)
         self.out: list[Event] = []
         self.finish: FinishReason | None = None
         self.done: DoneEvent | None = None
@@ -153,7 +153,12 @@ class RequestState:
             text, stopped = self.text.push(rt.piece(tok))
             if self.held is not None:
                 self.out.append(self.held)
-            self.held = self._event(rt, tok, text, drafted, row)
+                self.held = None
+            event = self._event(rt, tok, text, drafted, row)
+            if self.text.pending:  # text still held back ends up in this event (see end)
+                self.held = event
+            else:
+                self.out.append(event)
             if stopped:
                 self.finish = "stop"
                 break

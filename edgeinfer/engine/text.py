@@ -31,6 +31,12 @@ class TextAssembler:
             return self._release(len(self.text) - self._held_back()), False
         return self._release(len(self.text)), False
 
+    @property
+    def pending(self) -> bool:
+        """Whether `flush` would release more: text held back as a possible stop string's start,
+        or the bytes of an unfinished character."""
+        return self._emitted < len(self.text) or bool(self._decoder.getstate()[0])
+
     def flush(self) -> str:
         self.text += self._decoder.decode(b"", final=True)
         return self._release(len(self.text))
