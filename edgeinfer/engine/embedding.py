@@ -68,7 +68,7 @@ from ..errors import (
 )
 from ..kv_types import KV_CACHE_TYPES, flash_attn_for
 from ..llama_backend import log_capture
-from .llama import set_fields
+from .llama import FLASH_ATTN_TYPE, set_fields
 
 if TYPE_CHECKING:
     from .llama import LlamaRuntime
@@ -78,7 +78,6 @@ __all__ = ["EmbedOptions", "EmbeddingResult", "Embedder", "POOLING_TYPES", "DEFA
 log = logging.getLogger(__name__)
 
 DEFAULT_EMBED_CTX = 512  # the first context size (llama.cpp's default physical batch, llama-server's limit)
-_FLASH_ATTN = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto / disabled / enabled
 _INT32_MAX = 2**31 - 1
 
 
@@ -366,7 +365,7 @@ class Embedder:
             n_threads_batch=threads,
             type_k=KV_CACHE_TYPES[kv_k].ggml_type,
             type_v=KV_CACHE_TYPES[kv_v].ggml_type,
-            flash_attn_type=_FLASH_ATTN[flash_attn_for(kv_k, kv_v, opts.flash_attn)],
+            flash_attn_type=FLASH_ATTN_TYPE[flash_attn_for(kv_k, kv_v, opts.flash_attn)],
             embeddings=True,
             pooling_type=POOLING_CODES[pooling],
             no_perf=True,

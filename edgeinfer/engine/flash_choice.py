@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidModelError, InvalidOptionError
 from ..kv_types import KV_CACHE_TYPES
 from ..llama_backend import backend
-from .llama import LlamaRuntime, set_fields
+from .llama import FLASH_ATTN_TYPE, LlamaRuntime, set_fields
 from .options import LoadOptions
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 TURN_TOKENS = 256  # tokens decoded after the prompt in the turn the verdict weighs
 MARGIN = 0.03  # flash attention goes off only when that saves more than this share of the turn
 _CACHE_KIND = "flash-attn"
-_FLASH_ATTN_TYPE = {False: 0, True: 1}  # llama_flash_attn_type: disabled / enabled
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,7 @@ class _Scratch:
         self.n_batch = min(rt.n_batch, n_ctx)
         set_fields(cparams, n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=self.n_batch, n_seq_max=1,
                    n_threads=rt.threads, n_threads_batch=rt.threads, type_k=KV_CACHE_TYPES[kv_k].ggml_type,
-                   type_v=KV_CACHE_TYPES[kv_v].ggml_type, flash_attn_type=_FLASH_ATTN_TYPE[flash], no_perf=True)
+                   type_v=KV_CACHE_TYPES[kv_v].ggml_type, flash_attn_type=FLASH_ATTN_TYPE[flash], no_perf=True)
         self.batch: Any = None
         self.ctx = ll.llama_init_from_model(rt.model, cparams)
         if not self.ctx:

@@ -24,9 +24,9 @@ from ..llama_backend import backend, log_capture
 from .options import LoadOptions
 
 # backend and log_capture live in edgeinfer.llama_backend; re-exported for existing callers.
-__all__ = ["LlamaRuntime", "DecodeRows", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields"]
+__all__ = ["LlamaRuntime", "DecodeRows", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields", "FLASH_ATTN_TYPE"]
 
-_FLASH_ATTN = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto / disabled / enabled
+FLASH_ATTN_TYPE = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto / disabled / enabled
 
 
 class DecodeAborted(Exception):
@@ -217,7 +217,7 @@ class LlamaRuntime:
                 n_threads_batch=self.threads,
                 type_k=KV_CACHE_TYPES[kv_k].ggml_type,
                 type_v=KV_CACHE_TYPES[kv_v].ggml_type,
-                flash_attn_type=_FLASH_ATTN[flash],
+                flash_attn_type=FLASH_ATTN_TYPE[flash],
                 no_perf=True,
             )
             if rollback and self.facts.recurrent:
