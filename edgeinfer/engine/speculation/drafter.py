@@ -18,13 +18,10 @@ from ..sampler import Sampler
 from ..sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
 from .heads import HeadContext, HeadDrafter
-from .lookup import NgramIndex
+from .lookup import NgramIndex, match_quality
 from .policy import CostModel, LengthPolicy
 
 __all__ = ["Proposal", "RequestSpeculation", "speculation_method", "recurrent_warning"]
-
-# A 2-gram match is weaker evidence than a longer one.
-_WEAK_MATCH_QUALITY = 0.8
 
 
 def speculation_method(spec: SpeculationOptions) -> str:
@@ -102,11 +99,12 @@ class RequestSpeculation:
         if self.lookup is not None and self.lookup_policy is not None:
             policy = self.lookup_policy
             self.lookup.sync(history)
-            draft, n = self.lookup.lookup(policy.limit(room))
-            if draft:
-                quality = 1.0 if n >= 3 or policy.in_run else _WEAK_MATCH_QUALITY
-                best = Proposal("lookup", policy, len(draft), policy.gains(len(draft), quality), tokens=draft,
-                                fixed=not policy.opts.adaptive)
+            match = self.lookup.lookup(policy.limit(room))
+            if match.tokens:
+                policy.full_match = match.full
+                draft = match.tokens
+                best = Proposal("lookup", policy, len(draft), policy.gains(len(draft), match_quality(match, policy)),
+                                tokens=draft, fixed=not policy.opts.adaptive)
                 best_rate = _best_rate(best)
         model = self.model
         if model is not None and model.enabled:

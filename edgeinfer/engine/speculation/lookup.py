@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .policy import LengthPolicy
 
-__all__ = ["NgramIndex", "LookupDrafter"]
+__all__ = ["NgramIndex", "LookupMatch", "LookupDrafter", "match_quality"]
+
+
+class LookupMatch(NamedTuple):
+    """What a lookup found: the continuation, the n-gram it matched, and how many tokens before
+    the place agree with the text's end (>= n): the evidence that the text is copying that place."""
+
+    tokens: list[int]
+    n: int
+    agreement: int
+
+    @property
+    def full(self) -> bool:
+        """At least as long as the longest n-gram the index keeps agrees: after an insertion
+        (a docstring, a new line) the text has resumed copying, as a short match has not shown."""
+        return self.agreement >= _FULL_MATCH
+
+
+# Agreement (tokens) that makes a match full: the longest n-gram NgramIndex keeps by default.
+_FULL_MATCH = 4
+_WEAK_MATCH_QUALITY = 0.8
 
 
 class NgramIndex:
@@ -50,8 +71,8 @@ class NgramIndex:
             m += 1
         return m
 
-    def lookup(self, max_len: int) -> tuple[list[int], int]:
-        """Continuation of the longest n-gram at the end that occurred before; (draft, n)."""
+    def lookup(self, max_len: int) -> LookupMatch:
+        """Continuation of the longest n-gram at the end that occurred before."""
         L = len(self.tokens)
         for n in range(self.n_max, self.n_min - 1, -1):
             if L < n:
@@ -64,8 +85,13 @@ class NgramIndex:
                 m = self._agreement(pos, n)
                 if m > best_m:
                     best, best_m = pos, m
-            return self.tokens[best : min(best + max_len, L)], n
-        return [], 0
+            return LookupMatch(self.tokens[best : min(best + max_len, L)], n, best_m)
+        return LookupMatch([], 0, 0)
+
+
+def match_quality(match: LookupMatch, policy: LengthPolicy) -> float:
+    """A factor on the first drafted row's estimate: a 2-gram match is weaker evidence than a longer one."""
+    return 1.0 if match.n >= 3 or policy.in_run else _WEAK_MATCH_QUALITY
 
 
 class LookupDrafter:
@@ -84,13 +110,12 @@ class LookupDrafter:
         """The draft this step would use and its expected rate."""
         self.index.sync(history)
         self.policy.costs.at(len(history))
-        draft, n = self.index.lookup(self.policy.opts.draft_max)
-        if not draft:
+        match = self.index.lookup(self.policy.opts.draft_max)
+        if not match.tokens:
             return [], 1.0
-        # A 2-gram match is weaker evidence than a 4-gram one.
-        quality = 1.0 if n >= 3 or self.policy.in_run else 0.8
-        k, rate = self.policy.choose(min(max_len, len(draft)), 0.0, quality)
-        return draft[:k], rate
+        self.policy.full_match = match.full
+        k, rate = self.policy.choose(min(max_len, len(match.tokens)), 0.0, match_quality(match, self.policy))
+        return match.tokens[:k], rate
 
     def propose(self, history: Sequence[int], max_len: int) -> list[int]:
         return self.candidate(history, max_len)[0]

@@ -275,10 +275,11 @@ class AcceptanceModel:
 class LengthPolicy:
     """One request's drafter policy: acceptance estimates, exploration, and the draft length.
 
-    Two acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
-    span), 'fresh' otherwise. A step is worth drafting only if its expected tokens per unit of time
+    Three acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
+    span), 'resumed' outside a run when lookup's match is full (the drafter sets `full_match`),
+    'fresh' otherwise (see model()). A step is worth drafting only if its expected tokens per unit of time
     beat a plain step by `margin` (see `plan_drafts`, which sizes every request's draft of a step
-    together from the batch's cost). The priors (0.7 fresh, 0.9 in a run, worth four observations)
+    together from the batch's cost). The priors (0.7 outside a run, 0.9 in one, worth four observations)
     were chosen by replaying recorded outputs (benchmarks/replay_speculation.py): they gain on
     copy-heavy text and still lose under 2 % on sampled prose where lookup finds nothing.
     """
@@ -289,8 +290,10 @@ class LengthPolicy:
         self.opts = opts
         self.margin = margin
         self.fresh = AcceptanceModel(prior=prior)
+        self.resumed = AcceptanceModel(prior=prior)
         self.run = AcceptanceModel(prior=max(prior, 0.9))
         self.in_run = False
+        self.full_match = False  # this step's lookup match is full (LookupMatch.full): see model()
         # Exploration: when the estimates say "don't draft", still try a short draft now and then
         # so they can recover; the interval doubles after each failed try (overhead O(log n)).
         self._idle = 0
@@ -306,7 +309,13 @@ class LengthPolicy:
         self._since_plain = _T1_REFRESH
 
     def model(self) -> AcceptanceModel:
-        return self.run if self.in_run else self.fresh
+        """The acceptance estimates for this step's evidence: inside a run; outside one with a full
+        lookup match (the text resumed copying after an insertion); or with a short match or a
+        draft model's guess. Each learns on its own, so the rejected short matches inside novel
+        text (a docstring being written) do not stop drafting where the copy resumes."""
+        if self.in_run:
+            return self.run
+        return self.resumed if self.full_match else self.fresh
 
     def expected_rate(self, k: int, draft_cost: float, model: AcceptanceModel | None = None) -> float:
         """Expected tokens per one-token-decode time when drafting k tokens."""
