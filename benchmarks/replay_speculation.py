@@ -131,16 +131,49 @@ def shared_machine(seed: int = 0, spike: float = 0.1):
     return lambda: rng.uniform(1.5, 3.0) if rng.random() < spike else rng.lognormvariate(0.0, 0.1)
 
 
+class OneRequest:
+    """One lookup request stepped the way the scheduler core steps it alone (Scheduler._plan with
+    one decoding request): the engine's own RequestSpeculation, proposal, plan and feedback."""
+
+    def __init__(self, costs, n_batch: int = 512):
+        from edgeinfer import SpeculationOptions
+        from edgeinfer.engine.events import SpeculationStats
+        from edgeinfer.engine.speculation import RequestSpeculation
+
+        self.costs, self.n_batch = costs, n_batch
+        self.spec = RequestSpeculation(SpeculationOptions(method="lookup"), costs, SpeculationStats("lookup"), None, None)
+        self.lookup = self.spec.lookup
+        self.proposal = None
+
+    def propose(self, history: list[int], room: int) -> list[int]:
+        from edgeinfer.engine.speculation import plan_drafts
+
+        self.costs.at(len(history))
+        self.proposal = None
+        if self.spec.refresh_due():
+            return []
+        p = self.spec.propose(history, room, 0)
+        if p is None:
+            return []
+        margin = p.policy.margin
+        p.k = plan_drafts([p.gains], 1, lambda b: self.costs.time(b) * self.costs.optimism(b), self.n_batch, margin)[0]
+        p.k = p.policy.settle(p.k, p.limit, p.gains, p.draft_cost)
+        self.proposal = p
+        return p.tokens[: p.k]
+
+    def observe(self, n_drafted: int, n_accepted: int, seconds: float) -> None:
+        self.costs.observe(n_drafted + 1, seconds, plain=n_drafted == 0)  # the scheduler learns the step's cost
+        plain_s = seconds if n_drafted == 0 else self.costs.time(1)
+        self.spec.observe(self.proposal if n_drafted else None, n_drafted, n_accepted, seconds, plain_s)
+
+
 def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief, oracle: str | None = None,
            noise=None) -> Replay:
     """Replay lookup over `output` (its first token comes from the prompt's logits, as in the
     engine); `belief()` makes the cost model the policy starts from. With `noise()` the policy
     observes noisy times (the speed-up is still reckoned with the curve's own)."""
-    from edgeinfer import SpeculationOptions
-    from edgeinfer.engine.speculation import LengthPolicy, LookupDrafter
-
-    drafter = LookupDrafter(LengthPolicy(belief(), SpeculationOptions(method="lookup")))
-    drafter.start(prompt)
+    drafter = OneRequest(belief())
+    drafter.lookup.sync(prompt)
     out = Replay()
     i, spent = 1, 0.0
     while i < len(output):
@@ -154,7 +187,7 @@ def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief
         elif oracle == "length":
             draft = draft[:ok]
         if not draft:
-            if drafter.index.lookup(1)[0]:
+            if drafter.lookup.lookup(1).tokens:
                 out.declined += 1
             else:
                 out.no_match += 1
@@ -165,7 +198,7 @@ def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief
         out.drafted += len(draft)
         out.accepted += ok
         out.rejected += ok < len(draft)
-        drafter.observe(history + output[i : i + ok], len(draft), ok, seconds * (noise() if noise else 1.0), 0.0)
+        drafter.observe(len(draft), ok, seconds * (noise() if noise else 1.0))
         i += ok + 1
     out.speedup = (len(output) - 1) * curve[1] / spent
     return out

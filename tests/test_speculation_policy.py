@@ -179,3 +179,16 @@ def test_rejected_short_matches_in_new_text_do_not_stop_drafting_where_the_copy_
     p.full_match = True
     k, rate = p.choose(16)
     assert k >= 2 and rate > 1.05
+
+
+def test_the_replay_benchmark_steps_the_engines_own_lookup_path():
+    """benchmarks/replay_speculation.py replays RequestSpeculation the way the scheduler core steps
+    one request: on a copy it drafts long and gains; where nothing repeats it never drafts."""
+    from benchmarks.replay_speculation import parse_curve, replay
+
+    curve = parse_curve("1:11.10,2:16.17,3:18.23,4:27.49,5:23.57,8:30.05,16:45.56,17:41.01")
+    prompt = list(range(100, 400))
+    copy = replay(prompt, prompt[50:250], curve, lambda: CostModel(dict(curve)))
+    assert copy.speedup > 2.0 and copy.accepted == copy.drafted > 150
+    new = replay(prompt, list(range(1000, 1200)), curve, lambda: CostModel(dict(curve)))
+    assert new.drafted == 0 and new.speedup == pytest.approx(1.0) and new.no_match == new.steps

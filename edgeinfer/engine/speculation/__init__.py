@@ -19,7 +19,7 @@ from .calibration import calibrate_costs, fit_costs, measure_costs
 from .draft_model import DraftContext, ModelDrafter, check_draft_compatible, relative_draft_cost
 from .drafter import Proposal, RequestSpeculation
 from .heads import Eagle3Head, HeadContext, HeadDrafter, MtpHead
-from .lookup import LookupDrafter, NgramIndex
+from .lookup import LookupMatch, NgramIndex
 from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost, plan_drafts
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "LengthPolicy",
     "plan_drafts",
     "NgramIndex",
-    "LookupDrafter",
+    "LookupMatch",
     "DraftContext",
     "ModelDrafter",
     "HeadContext",

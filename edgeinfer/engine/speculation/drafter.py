@@ -18,10 +18,13 @@ from ..sampler import Sampler
 from ..sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
 from .heads import HeadContext, HeadDrafter
-from .lookup import NgramIndex, match_quality
+from .lookup import LookupMatch, NgramIndex
 from .policy import CostModel, LengthPolicy
 
 __all__ = ["Proposal", "RequestSpeculation", "speculation_method", "recurrent_warning"]
+
+# A 2-gram match is weaker evidence than a longer one.
+_WEAK_MATCH_QUALITY = 0.8
 
 
 def speculation_method(spec: SpeculationOptions) -> str:
@@ -103,7 +106,7 @@ class RequestSpeculation:
             if match.tokens:
                 policy.full_match = match.full
                 draft = match.tokens
-                best = Proposal("lookup", policy, len(draft), policy.gains(len(draft), match_quality(match, policy)),
+                best = Proposal("lookup", policy, len(draft), policy.gains(len(draft), _quality(match, policy)),
                                 tokens=draft, fixed=not policy.opts.adaptive)
                 best_rate = _best_rate(best)
         model = self.model
@@ -152,6 +155,11 @@ class RequestSpeculation:
 
     def close(self) -> None:
         pass
+
+
+def _quality(match: LookupMatch, policy: LengthPolicy) -> float:
+    """A factor on the first drafted row's estimate (LengthPolicy.gains)."""
+    return 1.0 if match.n >= 3 or policy.in_run else _WEAK_MATCH_QUALITY
 
 
 def _best_rate(p: Proposal) -> float:

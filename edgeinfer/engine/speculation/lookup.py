@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .policy import LengthPolicy
-
-__all__ = ["NgramIndex", "LookupMatch", "LookupDrafter", "match_quality"]
+__all__ = ["NgramIndex", "LookupMatch"]
 
 
 class LookupMatch(NamedTuple):
@@ -27,7 +25,6 @@ class LookupMatch(NamedTuple):
 
 # Agreement (tokens) that makes a match full: the longest n-gram NgramIndex keeps by default.
 _FULL_MATCH = 4
-_WEAK_MATCH_QUALITY = 0.8
 
 
 class NgramIndex:
@@ -87,41 +84,3 @@ class NgramIndex:
                     best, best_m = pos, m
             return LookupMatch(self.tokens[best : min(best + max_len, L)], n, best_m)
         return LookupMatch([], 0, 0)
-
-
-def match_quality(match: LookupMatch, policy: LengthPolicy) -> float:
-    """A factor on the first drafted row's estimate: a 2-gram match is weaker evidence than a longer one."""
-    return 1.0 if match.n >= 3 or policy.in_run else _WEAK_MATCH_QUALITY
-
-
-class LookupDrafter:
-    """Prompt lookup: drafts are copied from earlier in the prompt + output."""
-
-    method = "lookup"
-
-    def __init__(self, policy: LengthPolicy):
-        self.policy = policy
-        self.index = NgramIndex()
-
-    def start(self, prompt: Sequence[int]) -> None:
-        self.index.sync(prompt)
-
-    def candidate(self, history: Sequence[int], max_len: int) -> tuple[list[int], float]:
-        """The draft this step would use and its expected rate."""
-        self.index.sync(history)
-        self.policy.costs.at(len(history))
-        match = self.index.lookup(self.policy.opts.draft_max)
-        if not match.tokens:
-            return [], 1.0
-        self.policy.full_match = match.full
-        k, rate = self.policy.choose(min(max_len, len(match.tokens)), 0.0, match_quality(match, self.policy))
-        return match.tokens[:k], rate
-
-    def propose(self, history: Sequence[int], max_len: int) -> list[int]:
-        return self.candidate(history, max_len)[0]
-
-    def observe(self, history: Sequence[int], n_drafted: int, n_accepted: int, verify_s: float, draft_s: float) -> None:
-        self.policy.observe(n_drafted, n_accepted, verify_s, draft_s)
-
-    def close(self) -> None:
-        pass
