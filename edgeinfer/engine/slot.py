@@ -83,9 +83,6 @@ class RequestSlot:
             if self._holder is request and not self.closed:
                 self.runtime.abort_flag.set()
 
-    def holds(self, request: object) -> bool:
-        return self._holder is request
-
     @contextlib.contextmanager
     def hold(self) -> Iterator[LlamaRuntime]:
         """Hold the slot around a synchronous call (logits, reset)."""

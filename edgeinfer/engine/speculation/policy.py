@@ -317,15 +317,6 @@ class LengthPolicy:
             return self.run
         return self.resumed if self.full_match else self.fresh
 
-    def expected_rate(self, k: int, draft_cost: float, model: AcceptanceModel | None = None) -> float:
-        """Expected tokens per one-token-decode time when drafting k tokens."""
-        m = model or self.model()
-        e, p = 1.0, 1.0
-        for i in range(k):
-            p *= m.prob(i)
-            e += p
-        return e / (self.costs.ratio(k + 1) + k * draft_cost)
-
     def can_pay(self, draft_cost: float, acceptance: float = 0.9) -> bool:
         """Could a drafter of this cost (in target steps per drafted token) beat plain decoding
         even if it were accepted at `acceptance` per position, as a good same-family draft is?"""
