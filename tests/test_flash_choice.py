@@ -87,3 +87,21 @@ def test_a_measured_verdict_is_used_by_the_next_load_and_overrides_nothing_the_u
             assert engine.options.flash_attn is True
         with edgeinfer.load(n_ctx=512, n_threads=2, kv_type="q8_0") as engine:
             assert engine.options.flash_attn is None  # (llama.cpp turns it on for the quantized V cache)
+
+
+def test_the_servers_engine_takes_the_verdict_with_a_stream_per_slot_only(default_model_path: Path):
+    """A BatchEngine's rows each attend over their own slot's stream, as one sequence's do, so the
+    measured verdict holds there; with one cache for every slot (kv_unified) it is not ours to use."""
+    store = Store()
+    for verdict in (_choice(0.02, 0.01), _choice(0.01, 0.02)):
+        remember_flash_attn(default_model_path, LoadOptions(n_threads=2), store, verdict)
+        batch = edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False)
+        with edgeinfer.BatchEngine.load(batch=batch, n_ctx=512, n_threads=2) as be:
+            assert be.options.flash_attn is verdict.flash_attn
+            done = be.generate("Hello", edgeinfer.GenerateOptions(max_tokens=4)).result()
+            assert done.stats.generated_tokens > 0
+        unified = edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False, kv_unified=True)
+        with edgeinfer.BatchEngine.load(batch=unified, n_ctx=512, n_threads=2) as be:
+            assert be.options.flash_attn is None
+        with edgeinfer.BatchEngine.load(batch=batch, n_ctx=512, n_threads=2, flash_attn=True) as be:
+            assert be.options.flash_attn is True

@@ -42,6 +42,7 @@ from .chat import Message
 from .drafts import DraftModels, ProgressCallback, TargetModel, draft_key
 from .events import ScoredTokenEvent
 from .face import ModelFace
+from .flash_choice import with_measured_flash_attn
 from .llama import LlamaRuntime
 from .options import GenerateOptions, LoadOptions, SpeculationOptions
 from .request import RequestState
@@ -156,7 +157,6 @@ class BatchEngine(ModelFace):
         self.path = Path(path)
         self.info = info
         self.manifest = manifest
-        self.options = options
         self.batch_options = (batch or BatchOptions()).validate()
         self.store = store or Store()
         n = self.batch_options.parallel
@@ -170,8 +170,11 @@ class BatchEngine(ModelFace):
         # only logits when it cuts a batch into per-stream ubatches: with heads, one cache.
         head = isinstance(speculation, str) and speculation.strip().partition("=")[0] in ("mtp", "eagle3") or \
             isinstance(speculation, SpeculationOptions) and speculation.method in ("mtp", "eagle3")
-        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp,
-                                     kv_unified=self.batch_options.kv_unified or mtp or head)
+        unified = self.batch_options.kv_unified or mtp or head
+        if not unified:  # the measured flash-attention verdict holds for a stream per slot too (flash_choice)
+            options = with_measured_flash_attn(self.path, options, self.store)
+        self.options = options
+        self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp, kv_unified=unified)
         self._note_placement()
         rt = self._runtime
         if rt.n_ctx // n < 16:
