@@ -67,7 +67,7 @@ from ..errors import (
     InvalidOptionError,
 )
 from ..kv_types import KV_CACHE_TYPES, flash_attn_for
-from ..llama_backend import log_capture
+from ..llama_backend import backend, log_capture
 from .llama import FLASH_ATTN_TYPE, set_fields
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class Embedder:
         if runtime.closed:
             raise EngineClosedError(f"{runtime.path.name}: this model was closed")
         self._rt = runtime
-        self._ll = runtime._ll
+        self._ll = backend()  # the module every runtime uses, initialised once
         limit = min(runtime.n_ctx, runtime.facts.n_ctx_train)
         if max_tokens is not None:
             _check_int("max_tokens", max_tokens, 1)
