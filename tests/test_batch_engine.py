@@ -18,6 +18,7 @@ import pytest
 import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
 from edgeinfer.engine.batch import plan_drafts
+from edgeinfer.engine.llama import LlamaRuntime
 from edgeinfer.engine.speculation.policy import CostModel
 from greedy_compare import assert_same_or_near_tie
 
@@ -79,6 +80,13 @@ def f16_single(f16_path):
 # its share (compute-bound).
 CPU_LIKE_SECONDS = {1: 0.010, 2: 0.0105, 3: 0.011, 4: 0.0115, 5: 0.0140, 8: 0.0200, 16: 0.040, 32: 0.080, 64: 0.160}
 CPU_LIKE = CostModel(CPU_LIKE_SECONDS)
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.0, True, None])
+def test_decode_every_must_be_a_small_positive_integer(bad):
+    with pytest.raises(edgeinfer.InvalidOptionError, match="decode_every"):
+        BatchOptions(decode_every=bad).validate()
+    assert BatchOptions(decode_every=16).validate().decode_every == 16
 
 
 def test_plan_drafts_drafts_when_rows_are_nearly_free():
@@ -297,44 +305,47 @@ def test_close_cancels_running_requests(f16_path):
 
 
 @pytest.mark.slow
-def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path):
+@pytest.mark.parametrize("decode_every", [1, 3])
+def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path, decode_every, monkeypatch):
     """Continuous batching: while a 750-token prompt is prefilled, a running request keeps
     receiving tokens instead of waiting for the whole prefill (`prefill_chunk` caps what the cost
-    curve's knee would give: 64 rows a step while others decode)."""
-    batch = BatchOptions(parallel=2, prefill_chunk=64)
-    with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
-        arrivals: list[tuple[str, int]] = []  # (who, index), in the order the readers saw them
-        lock = threading.Lock()
+    curve's knee would give: 64 rows a step while others decode), from every `decode_every`-th
+    step: never more prompt-only steps in a row than that bound allows, and no more rides."""
+    steps: list[tuple[bool, bool]] = []  # per decode: (a prompt chunk of slot 1, a row of slot 0)
+    decode = LlamaRuntime.decode_batch
 
+    def recorded_decode(self, rows):
+        seqs = list(rows.seqs)
+        steps.append((seqs.count(1) > 1, 0 in seqs))
+        return decode(self, rows)
+
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
+    batch = BatchOptions(parallel=2, prefill_chunk=64, decode_every=decode_every)
+    with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
         decoding = threading.Event()
 
-        def read(name: str, gen) -> None:
-            tokens = (e for e in gen if isinstance(e, edgeinfer.TokenEvent))
-            for i, _ in enumerate(tokens):
-                with lock:
-                    arrivals.append((name, i))
-                decoding.set()
+        def read(gen) -> None:
+            for e in gen:
+                if isinstance(e, edgeinfer.TokenEvent):
+                    decoding.set()
 
-        counting = be.generate("1, 2, 3, 4, 5, 6, 7, 8,", greedy(60))
-        reader = threading.Thread(target=read, args=("running", counting))
+        counting = be.generate("1, 2, 3, 4, 5, 6, 7, 8,", greedy(200))  # still running after the prefill
+        reader = threading.Thread(target=read, args=(counting,))
         reader.start()
         assert decoding.wait(timeout=300)  # the first request decodes before the long one arrives
         long_prompt = be.tokenize("word " * 750)
         assert len(long_prompt) > 600
         late = be.submit(long_prompt, greedy(4))
-        late_events: list[edgeinfer.Event] = []
-
-        def recorded(gen):
-            for e in gen:
-                late_events.append(e)
-                yield e
-
-        read("long", recorded(late))
+        late_events = list(late)
         reader.join()
-        first_long = arrivals.index(("long", 0))
-        running_before = [a for a in arrivals[:first_long] if a[0] == "running"]
         assert late.done.stats.cached_tokens == 0
         progress = [e for e in late_events if isinstance(e, edgeinfer.PrefillProgress)]
         assert [p.done for p in progress] == list(range(64, len(long_prompt), 64)) + [len(long_prompt)]
-        # ~10 prefill steps: the running request got a token from (nearly) each of them.
-        assert len(running_before) >= 8, arrivals[: first_long + 1]
+        rides = [running for chunk, running in steps if chunk]
+        last_chunk = max(i for i, (chunk, _) in enumerate(steps) if chunk)
+        assert any(running for _, running in steps[last_chunk + 1:]), "the running request ended during the prefill"
+        assert len(rides) == len(progress)  # one step per chunk
+        # The running request rode every decode_every-th prompt step, and only those.
+        longest_wait = max(len(run) for run in "".join("x" if r else "." for r in rides).split("x"))
+        assert longest_wait == decode_every - 1, rides
+        assert sum(rides) <= len(rides) // decode_every + 1, rides
