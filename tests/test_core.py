@@ -19,7 +19,7 @@ from greedy_compare import assert_same_or_near_tie
 
 import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
-from edgeinfer.engine.llama import ubatch_rows
+from edgeinfer.engine.llama import LlamaRuntime, ubatch_rows
 from edgeinfer.engine.request import RequestState
 from edgeinfer.engine.scheduler import Scheduler
 
@@ -158,6 +158,33 @@ def test_a_stream_per_slot_packs_requests_from_slot_0_and_keeps_the_caches(f16_p
         assert first.stats.cached_tokens == len(p0), first.stats
         assert_same_or_near_tie(single, p0, r0, first.tokens)
         assert be.kv_unified is False
+
+
+def test_a_request_above_a_free_slot_moves_down_into_it(f16_path, single, plain, monkeypatch):
+    """With a stream per slot, the request in slot 2 moves into slot 1 when slot 1's request ends
+    first (llama.cpp would cut every later step at the gap); slot 1's cache is kept in the free
+    slot 3, and the moved request's tokens are its lone ones."""
+    (p0, r0), (p1, _), (p2, r2) = plain[0], plain[1], plain[3]
+    seen: list[set[int]] = []
+    decode = LlamaRuntime.decode_batch
+
+    def recorded_decode(self, rows):
+        seen.append(set(rows.seqs))
+        return decode(self, rows)
+
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
+    short = replace(greedy(), max_tokens=3)
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False) as be:
+        gens = [be.submit(p0, greedy()), be.submit(p1, short), be.submit(p2, greedy())]
+        done = [g.result() for g in gens]
+        assert done[1].stats.generated_tokens == 3 and min(len(done[0].tokens), len(done[2].tokens)) > 8
+        assert_same_or_near_tie(single, p0, r0, done[0].tokens)
+        assert_same_or_near_tie(single, p2, r2, done[2].tokens)
+        two = [ids for ids in seen if len(ids) == 2]  # the steps after slot 1's request ended
+        assert two and all(ids == {0, 1} for ids in two), seen
+        again = be.submit(p1, short).result()  # slot 1's cache was kept (in slot 3)
+        assert again.stats.cached_tokens == len(p1), again.stats
 
 
 def test_the_rejection_rule_keeps_the_distribution_through_the_batch_path(f16_path, default_model_path, single):

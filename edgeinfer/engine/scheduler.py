@@ -158,6 +158,7 @@ class Scheduler:
         self._admit()
         for r in [r for r in self.active if r.cancel.is_set() or r.finish is not None]:
             self._finish(r, "cancelled" if r.finish is None else r.finish)
+        self._close_gap()
         self._pause_slow_readers()
         decoding = [r for r in self.active if not r.prefilling and not r.paused]
         prefilling = [r for r in self.active if r.prefilling]
@@ -402,6 +403,37 @@ class Scheduler:
         elif lowest.seq.cached:
             chosen.seq.copy_from(lowest.seq)  # `chosen` is the one given up
         return lowest
+
+    def _close_gap(self) -> None:
+        """With a stream per slot and nothing waiting: the request in the highest busy slot moves
+        down into a free slot below it, so that the busy slots stay one run of ids. llama.cpp cuts a
+        batch at every gap in the ids, and each cut costs every later step a ubatch (the 1.5B here:
+        5 rows over slots 1, 3 and 5-7 take 0.33 s a step, 8 packed rows 0.23 s). The free slot's
+        cache is kept in another free slot (the least recently used one's is given up, as
+        admission does); with no such slot, or a drafter holding the request's sequence id (a
+        draft model, a head), nothing moves."""
+        if not self.split or self.waiting:
+            return
+        free = [s for s in self.slots if s.request is None]
+        busy = [s for s in self.slots if s.request is not None]
+        if not free or not busy:
+            return
+        hole = min(free, key=lambda s: s.index)
+        top = max(busy, key=lambda s: s.index)
+        r = top.request
+        assert r is not None
+        spares = [s for s in free if s is not hole]
+        if (hole.index > top.index or (r.speculation is not None and r.speculation.model is not None)
+                or (hole.seq.cached and not spares)):
+            return
+        if hole.seq.cached:
+            spare = min(spares, key=lambda s: (len(s.seq) > 0, s.last_used))
+            spare.seq.copy_from(hole.seq)
+            spare.last_used = hole.last_used
+        hole.seq.copy_from(top.seq)
+        hole.request, top.request = r, None
+        top.last_used = time.monotonic()
+        r.seq = hole.seq
 
     def _start(self, r: RequestState, slot: Slot) -> None:
         rt = self.runtime
