@@ -398,11 +398,16 @@ class Scheduler:
         if common_prefix(chosen.seq.cached, prompt) > common_prefix(lowest.seq.cached, prompt):
             spares = [s for s in free if s is not chosen and s is not lowest]
             if lowest.seq.cached and spares:  # keep the lowest's cache in the least recently used spare
-                min(spares, key=lambda s: (len(s.seq) > 0, s.last_used)).seq.copy_from(lowest.seq)
+                self._given_up(spares).seq.copy_from(lowest.seq)
             lowest.seq.copy_from(chosen.seq)
         elif lowest.seq.cached:
             chosen.seq.copy_from(lowest.seq)  # `chosen` is the one given up
         return lowest
+
+    @staticmethod
+    def _given_up(spares: list[Slot]) -> Slot:
+        """The free slot whose cache is worth least: an empty one, else the least recently used."""
+        return min(spares, key=lambda s: (len(s.seq) > 0, s.last_used))
 
     def _close_gap(self) -> None:
         """With a stream per slot and nothing waiting: the request in the highest busy slot moves
@@ -427,7 +432,7 @@ class Scheduler:
                 or (hole.seq.cached and not spares)):
             return
         if hole.seq.cached:
-            spare = min(spares, key=lambda s: (len(s.seq) > 0, s.last_used))
+            spare = self._given_up(spares)
             spare.seq.copy_from(hole.seq)
             spare.last_used = hole.last_used
         hole.seq.copy_from(top.seq)
