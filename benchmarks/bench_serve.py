@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package ships with
@@ -119,7 +120,12 @@ class Process:
                 self.proc.wait()
 
 
-def one_request(url: str, model: str, prompt: str, tokens: int, extra: dict, out: dict) -> None:
+def one_request(url: str, model: str, prompt: str, tokens: int, extra: dict, out: dict,
+                counts_eos: bool = False) -> None:
+    """One streamed chat request; `out` gets its generated tokens, TTFT, decode rate and text.
+    counts_eos: the server counts the end-of-generation token in `completion_tokens` (llama-server
+    does: 2 for a one-token answer that ends by EOS), so one is taken off an answer that stopped, and
+    both servers' rows count the tokens of their text."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
@@ -127,6 +133,8 @@ def one_request(url: str, model: str, prompt: str, tokens: int, extra: dict, out
     n_chunks = 0
     usage = None
     spec = {}
+    finish = None
+    text = []
     with httpx.Client(timeout=900) as http, http.stream("POST", url + "/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -138,23 +146,28 @@ def one_request(url: str, model: str, prompt: str, tokens: int, extra: dict, out
             if chunk.get("edgeinfer"):
                 spec = chunk["edgeinfer"].get("speculation") or {}
             for c in chunk.get("choices") or []:
+                finish = c.get("finish_reason") or finish
                 if c.get("delta", {}).get("content"):
                     now = time.perf_counter()
                     first = first or now
                     last = now
                     n_chunks += 1
+                    text.append(c["delta"]["content"])
     n = usage["completion_tokens"] if usage else n_chunks
+    if counts_eos and finish == "stop":
+        n -= 1
     out.update(drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0), tokens=n, ttft=(first or t0) - t0,
-               decode=(n - 1) / (last - first) if first and last and last > first else 0.0, end=time.perf_counter())
+               decode=(n - 1) / (last - first) if first and last and last > first else 0.0, end=time.perf_counter(),
+               text="".join(text))
 
 
-def round_of(url: str, model: str, texts: list[str], tokens: int, extra: dict) -> dict:
+def round_of(url: str, model: str, texts: list[str], tokens: int, extra: dict, counts_eos: bool = False) -> dict:
     results = [dict() for _ in texts]
     barrier = threading.Barrier(len(texts))
 
     def client(i: int) -> None:
         barrier.wait()
-        one_request(url, model, texts[i], tokens, extra, results[i])
+        one_request(url, model, texts[i], tokens, extra, results[i], counts_eos)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(texts))]
@@ -167,7 +180,8 @@ def round_of(url: str, model: str, texts: list[str], tokens: int, extra: dict) -
             "decode": statistics.median(r["decode"] for r in results),
             "ttft": statistics.median(r["ttft"] for r in results),
             "tokens": sum(r["tokens"] for r in results),
-            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results),
+            "texts": [r["text"] for r in results]}
 
 
 def _drafting(rows: list[dict]) -> str:
@@ -219,6 +233,16 @@ class Servers:
             self.theirs.stop()
 
 
+@dataclass
+class Row:
+    """One row of the table: a server, its model id and the request fields of the row."""
+    url: str
+    model: str
+    extra: dict
+    own_prompts: bool = False  # shares its server with an earlier row: prompts of its own
+    counts_eos: bool = False  # see one_request
+
+
 def server_for(row: str, args: argparse.Namespace) -> tuple[str, dict]:
     """(--speculate of the server, the request's extra fields) of one of our rows."""
     if row.startswith("draft"):
@@ -246,41 +270,48 @@ def model_id(url: str) -> str:
 
 def run_rounds(args: argparse.Namespace, servers: Servers) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows: dict[str, tuple[str, str, dict]] = {}
+    rows: dict[str, Row] = {}
+    servers_seen: set[str] = set()
     for row in args.speculation.split(","):
         speculate, extra = server_for(row, args)
         _, url = servers.ours_for(speculate)
-        rows[f"edgeinfer {row}"] = (url, model_id(url), extra)
+        # Rows on servers of their own get the same prompts in a round (the same work, the same
+        # answers but for near-ties); a row sharing a server with an earlier one gets its own, or it
+        # would find the earlier row's prompts in the slots' caches.
+        rows[f"edgeinfer {row}"] = Row(url, model_id(url), extra, own_prompts=speculate in servers_seen)
+        servers_seen.add(speculate)
     peer = servers.llama_server()
     if peer is not None:
-        rows[f"llama-server -np {args.parallel}"] = (peer, model_id(peer), {})
+        rows[f"llama-server -np {args.parallel}"] = Row(peer, model_id(peer), {}, counts_eos=True)
     else:
         print(f"(no llama-server at {TOOLS / 'bin'}: run benchmarks/build_llama_tools.sh for that row)", file=sys.stderr)
     samples: dict[tuple[str, str, int], list[dict]] = {}
     loads: list[float] = []
-    for url, model, extra in rows.values():  # warm-up: page faults
-        round_of(url, model, prompts("snippet", 1, "warm-up "), 4, extra)
+    for row in rows.values():  # warm-up: page faults
+        round_of(row.url, row.model, prompts("snippet", 1, "warm-up "), 4, row.extra, row.counts_eos)
     for rnd in range(args.rounds):
         for workload in args.workload.split(","):
             for c in levels:
                 names = list(rows)
                 names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order between rounds
                 for name in names:
-                    url, model, extra = rows[name]
-                    texts = prompts(workload, c, f"round {rnd} c{c} {name} ")
+                    row = rows[name]
+                    texts = prompts(workload, c, f"round {rnd} c{c} " + (f"{name} " if row.own_prompts else ""))
                     loads.append(os.getloadavg()[0])
-                    sample = round_of(url, model, texts, args.tokens, extra)
+                    sample = round_of(row.url, row.model, texts, args.tokens, row.extra, row.counts_eos)
                     samples.setdefault((workload, name, c), []).append(sample)
-                    print(f"round {rnd + 1} {workload} c={c} {name}: {sample}", file=sys.stderr)
+                    shown = {k: v for k, v in sample.items() if k != "texts"}
+                    print(f"round {rnd + 1} {workload} c={c} {name}: {shown}", file=sys.stderr)
     print(f"\nmodel {Path(servers.model).name}, greedy, {args.tokens} tokens per request, {args.parallel} slots, "
           f"--ctx {args.ctx}, {args.threads} threads, median of {args.rounds} rounds; load average during the run "
-          f"{min(loads):.1f}-{max(loads):.1f}\n")
+          f"{min(loads):.1f}-{max(loads):.1f}; tokens are the answers' own (llama-server's usage counts "
+          "the end-of-generation token too: taken off)\n")
     ref = f"llama-server -np {args.parallel}" if peer is not None else "edgeinfer off"
     for workload in args.workload.split(","):
         print(f"\n{workload}:\n")
-        print(f"| server | clients | total tok/s | × {ref} | TTFT s (median) | × {ref} | per-request decode tok/s "
-              "| drafted per token | accepted |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(f"| server | clients | total tok/s | × {ref} | paired × {ref} (range) | TTFT s (median) | × {ref} "
+              "| per-request decode tok/s | drafted per token | accepted | answers as {ref}'s |".replace("{ref}", ref))
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for c in levels:
             base = samples.get((workload, ref, c))
             base_thr = statistics.median(s["throughput"] for s in base) if base else float("nan")
@@ -289,8 +320,15 @@ def run_rounds(args: argparse.Namespace, servers: Servers) -> None:
                 got = samples[(workload, name, c)]
                 thr = statistics.median(s["throughput"] for s in got)
                 ttft = statistics.median(s["ttft"] for s in got)
-                print(f"| {name} | {c} | {thr:.2f} | {thr / base_thr:.2f}× | {ttft:.2f} | {ttft / base_ttft:.2f}× | "
-                      f"{statistics.median(s['decode'] for s in got):.2f} | {_drafting(got)} |")
+                paired = sorted(g["throughput"] / b["throughput"] for g, b in zip(got, base)) if base else []
+                pair = f"{statistics.median(paired):.2f}× ({paired[0]:.2f}–{paired[-1]:.2f})" if paired else "-"
+                same = "-"
+                if base and not rows[name].own_prompts:
+                    same_n = sum(x == y for g, b in zip(got, base) for x, y in zip(g["texts"], b["texts"]))
+                    same = f"{same_n} of {sum(len(g['texts']) for g in got)}"
+                print(f"| {name} | {c} | {thr:.2f} | {thr / base_thr:.2f}× | {pair} | {ttft:.2f} | "
+                      f"{ttft / base_ttft:.2f}× | {statistics.median(s['decode'] for s in got):.2f} | {_drafting(got)} "
+                      f"| {same} |")
 
 
 def run_first_requests(args: argparse.Namespace, servers: Servers) -> None:
