@@ -9,7 +9,10 @@ Modes:
   started with --speculate lookup, or draft=/self= when a row needs it), and `llama-server -np N`
   (llama.cpp's own server, built from the sources llama-cpp-python 0.3.36 vendors, by
   benchmarks/build_llama_tools.sh) when it is there. Rows alternate within each round so machine
-  load hits them alike; the table shows medians over rounds, ratios against llama-server and the
+  load hits them alike; rows on servers of their own get the same prompts in a round, so they do the
+  same work (the table counts the answers identical to llama-server's), and tokens are the answers'
+  own on both servers (llama-server's usage adds the end-of-generation token). The table shows
+  medians over rounds, ratios against llama-server (of the medians, and paired per round) and the
   load average seen.
 - --first-request: a fresh server (fresh store: nothing measured before) per row and round, and
   the time to first token of its very first request: what a `--speculate lookup` server's first
