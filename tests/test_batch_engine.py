@@ -19,7 +19,8 @@ import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
 from edgeinfer.engine.batch import plan_drafts
 from edgeinfer.engine.llama import LlamaRuntime
-from edgeinfer.engine.speculation.policy import CostModel
+from edgeinfer.engine.sequence import KVSequence
+from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES, CostModel
 from greedy_compare import assert_same_or_near_tie
 
 
@@ -227,21 +228,33 @@ def test_lookup_speculation_keeps_greedy_output(f16_path, f16_single):
 
 
 @pytest.mark.slow
-def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path):
+def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monkeypatch):
     """With no curve in the store, an idle engine times decodes up to a full ubatch on a sequence
     of its own, keeps the curve in the store (the next engine starts from it), and a request that
-    arrives meanwhile is served at once (the calibration decode under way is aborted)."""
+    arrives meanwhile is served at once (the calibration decode under way is aborted). Each size
+    is timed as it is used: drafting sizes with every row's logits (a verification reads them
+    all), larger ones with the last row's only (a prompt chunk)."""
+    timed: list[tuple[int, int | None]] = []  # (rows, first row with logits) of each sequence decode
+    decode = KVSequence.decode
+
+    def recorded(self, tokens, logits_from=None):
+        timed.append((len(tokens), logits_from))
+        return decode(self, tokens, logits_from)
+
+    monkeypatch.setattr(KVSequence, "decode", recorded)
     store = edgeinfer.Store(tmp_path / "home")
     with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
                           store=store) as be:
         assert be._calibration is not None and be._calibration.pending()  # white-box: it is to do
         done = be.chat(PROMPTS[2], greedy(4)).result()  # arrives during the calibration
         assert done.stats.queue_s < 0.5, done.stats
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # sizes up to 512 rows, twice: minutes on a slow, shared machine
         while be._calibration.pending() and time.monotonic() < deadline:
             time.sleep(0.05)
         curve = be.cost_curve()
         assert {1, 8, 64, 512} <= set(curve) and set(be._calibration.best) <= set(curve), curve
+        assert (8, 0) in timed and (33, 0) in timed and (64, 63) in timed and (512, 511) in timed, timed
+        assert all(first == (0 if n in CALIBRATION_SIZES else n - 1) for n, first in timed if n in curve), timed
         again = be.chat(PROMPTS[2], greedy(4)).result()
         assert again.tokens == done.tokens  # the calibration emptied an idle slot only: same answer
     with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,

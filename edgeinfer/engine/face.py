@@ -197,7 +197,7 @@ class ModelFace:
     # -- the cost curve (kept in the store per model file, threads, batch and KV cache) ----------
     def _cost_key(self) -> str:
         o = self.options
-        return (f"v3|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}"
+        return (f"v4|{self.path.resolve()}|{self.path.stat().st_size}|t{o.threads}|b{self._runtime.n_batch}"
                 f"|{'/'.join(o.kv_types)}|fa{o.flash_attn}")
 
     def _stored_costs(self) -> CostModel:

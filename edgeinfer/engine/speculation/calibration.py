@@ -129,7 +129,10 @@ class IdleCalibration:
         t0 = time.perf_counter()
         try:
             with rt.abortable():
-                seq.decode(tokens, logits_from=0)
+                # A verification asks for every row's logits, a prompt chunk for its last row's only:
+                # time each size as it is used (every row's logits add ~20 % to a 512-row chunk of
+                # the 1.5B, which would hide what the chunk sizes themselves cost).
+                seq.decode(tokens, logits_from=0 if b in CALIBRATION_SIZES else b - 1)
         except DecodeAborted:
             return  # a request came: this size is timed again later
         except ContextLengthError:
