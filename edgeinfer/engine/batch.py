@@ -80,10 +80,10 @@ class BatchOptions:
     # Most prompt rows a step takes while other requests decode; None: the cost curve's knee (see
     # engine/scheduler.py). Nothing decoding: waiting prompts fill the whole ubatch either way.
     prefill_chunk: int | None = None
-    # While prompts are read, requests already decoding take every this-many-th step (1: every
-    # step). Each step they take costs a ubatch of its own beside the prompt chunk (a KV stream per
-    # slot) and staggers when the streams end; scheduler.py says what 2 buys and what it costs.
-    decode_every: int = 2
+    # While prompts are read, the longest a request already decoding waits for its next token, in
+    # seconds (0: it takes every step). Each step it takes costs a ubatch of its own beside the
+    # prompt chunk (a KV stream per slot) and staggers when the streams end; scheduler.py says why 10.
+    decode_wait: float = 10.0
     draft_max: int = 16  # most drafted rows per slot and step
     margin: float = 0.03  # drafting must beat not drafting by this fraction
     # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
@@ -99,8 +99,9 @@ class BatchOptions:
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or not isinstance(
                 self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise InvalidOptionError(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
-        if isinstance(self.decode_every, bool) or not isinstance(self.decode_every, int) or not 1 <= self.decode_every <= 16:
-            raise InvalidOptionError(f"decode_every must be an integer in [1, 16], got {self.decode_every!r}")
+        if isinstance(self.decode_wait, bool) or not isinstance(self.decode_wait, int | float) or \
+                not 0 <= self.decode_wait <= 3600:
+            raise InvalidOptionError(f"decode_wait must be seconds in [0, 3600], got {self.decode_wait!r}")
         if self.max_backlog < 1:
             raise InvalidOptionError(f"max_backlog must be at least 1, got {self.max_backlog}")
         if not 0 <= self.draft_max <= 64:
@@ -195,7 +196,7 @@ class BatchEngine(ModelFace):
                                margin=self.batch_options.margin,
                                draft_max_rows=self.batch_options.draft_max, max_backlog=self.batch_options.max_backlog,
                                prefill_chunk=self.batch_options.prefill_chunk,
-                               decode_every=self.batch_options.decode_every)
+                               decode_wait=self.batch_options.decode_wait)
         calibrate = self.batch_options.calibrate_when_idle and given is None and IdleCalibration.needed(costs, rt.n_batch)
         self._calibration = IdleCalibration(costs, self._core.idle_sequence) if calibrate else None
         self._cond = threading.Condition()

@@ -14,14 +14,18 @@ curve's knee, the smallest chunk whose cost per row is within 5 % of the best th
 shows up to n_batch (the whole ubatch while the curve is only a prior, as llama-server fills its
 ubatch). On this 2-core CPU the 1.5B's knee is ~128 rows, which also prefill faster per token than
 512-row ubatches (llama-bench: 156 vs 99 tok/s): prompts enter at the best rate the machine has,
-and running streams wait for their next token while prompts are read, at most `decode_every`
-such steps (BatchOptions: 2; one such step is ≈ 1.6 s there, ≈ 0.05 s with the default model),
-where llama-server's wait for a whole n_batch of prompt rows (2,048; ≈ 25 s there). Why not every
-step: with a KV stream per slot the decoding rows are a ubatch of their own beside the chunk (their
-own weight pass, not a free ride as on a GPU), and streams that start decoding one chunk apart
-also end one chunk apart, leaving a tail of small, dear batches; taking every second step halves
-both (benchmarks/RESULTS.md measures it against every step). With one KV cache for every slot
-the rows share the chunk's ubatch, and decoding requests take every step.
+and running streams sit the steps that read prompts out for up to `decode_wait` seconds
+(BatchOptions: 10), taking the next one once the steps they sat out and the next chunk's predicted
+cost would pass it. llama-server's streams wait for a whole n_batch of prompt rows (2,048: ≈ 25 s
+for the 1.5B on a 2-core machine that reads 156 prompt tokens a second, ≈ 115 s on one that reads
+22). Why wait at all: with a KV stream per slot the decoding rows are a ubatch of their own beside
+the chunk (their own weight pass, not a free ride as on a GPU: 4 rows cost ≈ 9 % of a chunk's
+step), and streams that start decoding one chunk apart also end one chunk apart, leaving a tail of
+small, dear batches; streams that wait for the prompts that came with them decode together, as
+llama-server's do. Why a bound: a long prompt arriving must not stall every running stream for
+minutes (benchmarks/RESULTS.md measures the wait against every step and every second step). With
+one KV cache for every slot the rows share the chunk's ubatch, and decoding requests take every
+step.
 
 Faults stay where they happen: an exception while verifying one request ends that request with an
 error (its reader gets it); a failed decode ends the requests that had rows in it.
@@ -85,7 +89,7 @@ class Scheduler:
     def __init__(self, runtime: LlamaRuntime, n_slots: int, costs: CostModel, *,
                  drafts: DraftSource | None = None, abortable: bool = False, margin: float = 0.03,
                  draft_max_rows: int = 64, max_backlog: int | None = None, prefill_chunk: int | None = None,
-                 heads: HeadSource | None = None, decode_every: int = 1):
+                 heads: HeadSource | None = None, decode_wait: float = 0.0):
         self.runtime = runtime
         self.slots = [Slot(i, KVSequence(runtime, i)) for i in range(n_slots)]
         self.slot_ctx = runtime.n_ctx // n_slots
@@ -102,8 +106,8 @@ class Scheduler:
         self.draft_max_rows = draft_max_rows
         self.max_backlog = max_backlog  # unread events after which a request pauses (its reader is behind)
         self.prefill_chunk = prefill_chunk  # a cap on prompt rows per step while others decode
-        self.decode_every = decode_every  # while prompts are read, decoding requests take every n-th step
-        self._prompt_only_steps = 0  # steps since the decoding requests last took one
+        self.decode_wait = decode_wait  # while prompts are read, the longest a decoding request waits (s)
+        self._waited = 0.0  # seconds of prompt-only steps since the decoding requests last took one
         self.waiting: list[RequestState] = []
         self.active: list[RequestState] = []  # in admission order: prompts are fed first come, first served
         self.counters = StepCounters()
@@ -168,11 +172,14 @@ class Scheduler:
         depth = self.depth()
         self.costs.at(depth)
         chunks = self._prefill_chunks(prefilling, len(decoding))
-        if decoding and chunks and self.split and self._prompt_only_steps + 1 < self.decode_every:
-            decoding = []  # this step reads prompts only (see the module: prefill)
-            self._prompt_only_steps += 1
-        elif decoding:
-            self._prompt_only_steps = 0
+        held = False  # the decoding requests sit this step out (see the module: prefill)
+        if decoding and chunks and self.split:
+            chunk_s = self.step_cost(sorted((r.seq.seq_id, n) for r, n in chunks))  # type: ignore[union-attr]
+            held = self._waited + chunk_s <= self.decode_wait
+        if held:
+            decoding = []
+        else:
+            self._waited = 0.0
         proposals = self._plan(decoding, chunks)
 
         # Rows in sequence order: with a stream per slot, consecutive ids share a ubatch.
@@ -225,6 +232,8 @@ class Scheduler:
         for i, (r, first, d, p) in enumerate(zip(decoding, firsts, drafts, proposals)):
             kept[i] = self._isolated(r, self._verify, r, first, d, p) or 0
         step_s = time.perf_counter() - t0
+        if held:
+            self._waited += step_s
         # Drafters start once every row of this decode has been read (a draft model's first use
         # times a decode of the target: it would overwrite the logits of the others' rows).
         for r, _ in chunks:
