@@ -17,8 +17,8 @@ ubatch). On this 2-core CPU the 1.5B's knee is ~128 rows, which also prefill fas
 and running streams sit the steps that read prompts out for up to `decode_wait` seconds
 (BatchOptions: 10), taking the next one once the steps they sat out and the next chunk's predicted
 cost would pass it. llama-server's streams wait for a whole n_batch of prompt rows (2,048: ≈ 25 s
-for the 1.5B on a 2-core machine that reads 156 prompt tokens a second, ≈ 115 s on one that reads
-22). Why wait at all: with a KV stream per slot the decoding rows are a ubatch of their own beside
+for the 1.5B on a 2-core machine that reads 156 prompt tokens a second, over a minute on one that
+reads 22). Why wait at all: with a KV stream per slot the decoding rows are a ubatch of their own beside
 the chunk (their own weight pass, not a free ride as on a GPU: 4 rows cost ≈ 9 % of a chunk's
 step), and streams that start decoding one chunk apart also end one chunk apart, leaving a tail of
 small, dear batches; streams that wait for the prompts that came with them decode together, as
