@@ -424,10 +424,13 @@ def test_real_model_split_three_ways(workers, qwen_pair):
 
     target, _draft = qwen_pair
     eps = tuple(w.endpoint for w in workers)
-    with edgeinfer.load(target, n_threads=1, n_ctx=1024) as engine:
+    # Flash attention off on both sides (this test checks the layout): with it on, an AMD EPYC
+    # machine's three-way split parted from the local run at token 11 where the top-2 margin is
+    # 0.138 (off: a near-tie at token 15, 0.019). Why the split's flash path drifts: not known yet.
+    with edgeinfer.load(target, n_threads=1, n_ctx=1024, flash_attn=False) as engine:
         ref_prompt, reference = _greedy(engine, 32)
     for split in ((1.0, 1.0, 1.0), (1.0, 0.0, 0.0)):
-        with edgeinfer.load(target, n_threads=1, n_ctx=1024, rpc=eps, tensor_split=split) as engine:
+        with edgeinfer.load(target, n_threads=1, n_ctx=1024, rpc=eps, tensor_split=split, flash_attn=False) as engine:
             assert sum(p.n_layers for p in last_placement(target).devices) == (0 if split[1:] == (0.0, 0.0) else 19)
             prompt, tokens = _greedy(engine, 32)
             assert prompt == ref_prompt
