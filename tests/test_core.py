@@ -169,7 +169,8 @@ def test_a_request_above_a_free_slot_moves_down_into_it(f16_path, single, plain,
     decode = LlamaRuntime.decode_batch
 
     def recorded_decode(self, rows):
-        seen.append(set(rows.seqs))
+        if len(rows) == len(set(rows.seqs)):  # decode steps (prompts read together share steps too)
+            seen.append(set(rows.seqs))
         return decode(self, rows)
 
     monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
@@ -296,3 +297,49 @@ def test_queue_and_first_token_times_mean_the_same_on_both_faces(face, f16_path,
         assert d.stats.ttft_s >= d.stats.queue_s + d.stats.prefill_s * 0.99, d.stats
     assert a.stats.queue_s < 0.5 * b.stats.queue_s, (a.stats, b.stats)
     assert b.stats.queue_s >= 0.8 * a.stats.decode_s, (a.stats, b.stats)  # (queued after a's first token at least)
+
+
+def test_prompt_steps_are_one_ubatch_and_a_short_tail_joins_its_chunk(f16_path, single, monkeypatch):
+    """With a stream per slot, prompts read in the same step take equal rows on neighbouring
+    sequence ids (one ubatch: llama.cpp would give any other mix a pass over the weights of its
+    own), and a prompt whose rows left after a chunk would be fewer than the chunk reads them in
+    that chunk. Outputs stay the lone ones."""
+    steps: list[list[tuple[int, int]]] = []  # per decode: (sequence id, rows) in batch order
+    decode = LlamaRuntime.decode_batch
+
+    def recorded_decode(self, rows):
+        shape: list[list[int]] = []
+        for seq in rows.seqs:
+            if shape and shape[-1][0] == seq:
+                shape[-1][1] += 1
+            else:
+                shape.append([seq, 1])
+        steps.append([(s, n) for s, n in shape])
+        return decode(self, rows)
+
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
+    # A curve whose knee is 32 rows (16 rows cost twice as much a row; 32 and up the same).
+    curve = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
+             384: 1.2, 512: 1.6}
+    batch = BatchOptions(parallel=4, cost_curve=curve, calibrate_when_idle=False)
+    words = ["alpha", "bravo", "charlie", "delta"]
+    prompts = [single.tokenize(" ".join(f"{words[k]}{i} item" for i in range(60)))[:150 - 12 * k] for k in range(4)]
+    lone = []
+    for p in prompts:
+        single.reset()
+        lone.append(single.generate(p, replace(greedy(), max_tokens=8)).result().tokens)
+    with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
+        alone = list(be.submit(prompts[3], replace(greedy(), max_tokens=8)))
+        chunks = [e.done for e in alone if isinstance(e, edgeinfer.PrefillProgress)]
+        assert chunks == [32, 64, 114], chunks  # 114 = 32 + 32 + 50: the 18 rows after a third chunk join it
+        assert_same_or_near_tie(single, prompts[3], lone[3], alone[-1].tokens)
+        steps.clear()
+        done = concurrently(be, prompts[:3], replace(greedy(), max_tokens=8))
+    prompt_steps = [s for s in steps if any(n > 1 for _, n in s)]
+    print("prompt steps:", prompt_steps)
+    assert all(len(ubatch_rows(s, 512, False)) == 1 for s in prompt_steps), prompt_steps
+    assert any(len(s) > 1 for s in prompt_steps), prompt_steps  # prompts that came together read together
+    assert sum(n for s in prompt_steps for _, n in s) == sum(len(p) - d.stats.cached_tokens
+                                                             for p, d in zip(prompts, done))
+    for p, ref, d in zip(prompts, lone, done):
+        assert_same_or_near_tie(single, p, ref, d.tokens)

@@ -12,7 +12,10 @@ is computed, and one budget of rows per step covers prompt chunks, decode tokens
 Prefill is scheduled by the cost curve, not a fixed count: a step takes prompt rows up to the
 curve's knee, the smallest chunk whose cost per row is within 5 % of the best the measured curve
 shows up to n_batch (the whole ubatch while the curve is only a prior, as llama-server fills its
-ubatch). On this 2-core CPU the 1.5B's knee is ~128 rows, which also prefill faster per token than
+ubatch); a prompt whose rows left would be fewer than a chunk reads them with it. With a KV stream
+per slot a step's prompt rows are one ubatch: prompts read together take equal rows on neighbouring
+sequence ids (a few rows of another prompt beside a chunk cost a pass over the weights of their
+own: 2.65 vs 2.2 s for 48 rows of the 1.5B on the slow machine). On this 2-core CPU the 1.5B's knee is ~128 rows, which also prefill faster per token than
 512-row ubatches (llama-bench: 156 vs 99 tok/s): prompts enter at the best rate the machine has,
 and running streams sit the steps that read prompts out for up to `decode_wait` seconds
 (BatchOptions: 10), taking the next one once the steps they sat out and the next chunk's predicted
@@ -261,19 +264,44 @@ class Scheduler:
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_chunks(self, prefilling: list[RequestState], n_decoding: int) -> list[tuple[RequestState, int]]:
         """Prompt rows this step, first come first served: up to the cost curve's knee (see the
-        module), capped by `prefill_chunk` while others decode."""
+        module), capped by `prefill_chunk` while others decode. A prompt whose rows left after
+        the chunk would be fewer than the chunk takes them now (a short tail is a dear step of its
+        own). With a KV stream per slot the step stays ONE ubatch: llama.cpp cuts a batch into
+        ubatches of equal rows per sequence over consecutive ids (`ubatch_rows`), so another prompt
+        joins only with as many rows on a neighbouring sequence id, up to the knee while others
+        decode and up to n_batch while none does (as llama-server fills its ubatch); any other mix
+        would add a pass over the weights for a few rows (measured in benchmarks/RESULTS.md)."""
         rt = self.runtime
-        budget = min(rt.n_batch - n_decoding, self.costs.prefill_knee(rt.n_batch))
-        if n_decoding and self.prefill_chunk:
-            budget = min(budget, self.prefill_chunk)
-        chunks = []
-        for r in prefilling:
-            if budget <= 0:
-                break
-            n = min(budget, len(r.prompt) - r.fed)
-            chunks.append((r, n))
-            budget -= n
-        return chunks
+        room = rt.n_batch - n_decoding
+        budget = min(room, self.costs.prefill_knee(rt.n_batch))
+        capped = bool(n_decoding and self.prefill_chunk)
+        if capped:
+            budget = min(budget, self.prefill_chunk)  # type: ignore[type-var]
+        if not prefilling or budget <= 0:
+            return []
+        if not self.split:
+            chunks = []
+            for r in prefilling:
+                if budget <= 0:
+                    break
+                n = min(budget, len(r.prompt) - r.fed)
+                chunks.append((r, n))
+                budget -= n
+            return chunks
+        head = prefilling[0]
+        left = len(head.prompt) - head.fed
+        n = min(budget, left)
+        if left - n < n and left <= (budget if capped else room):
+            n = left
+        cap = budget if n_decoding else room
+        by_seq = {r.seq.seq_id: r for r in prefilling}  # type: ignore[union-attr]
+        run = [head]
+        for step in (1, -1):  # neighbours above the head's sequence id, then below
+            seq = head.seq.seq_id + step  # type: ignore[union-attr]
+            while (len(run) + 1) * n <= cap and seq in by_seq and len(by_seq[seq].prompt) - by_seq[seq].fed >= n:
+                run.append(by_seq[seq])
+                seq += step
+        return [(r, n) for r in run]
 
     def _prompt_chunk(self, r: RequestState, n: int, last_row: int) -> None:
         assert r.seq is not None
