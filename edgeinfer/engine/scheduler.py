@@ -12,12 +12,13 @@ is computed, and one budget of rows per step covers prompt chunks, decode tokens
 Prefill is scheduled by the cost curve, not a fixed count: a step takes prompt rows up to the
 curve's knee, the smallest chunk whose cost per row is within 5 % of the best the measured curve
 shows up to n_batch (the whole ubatch while the curve is only a prior, as llama-server fills its
-ubatch); a prompt whose rows left would be fewer than a chunk reads them with it. With a KV stream
-per slot a step's prompt rows are one ubatch: prompts read together take equal rows on neighbouring
-sequence ids (a few rows of another prompt beside a chunk cost a pass over the weights of their
-own: 2.65 vs 2.2 s for 48 rows of the 1.5B on the slow machine). On this 2-core CPU the 1.5B's knee is ~128 rows, which also prefill faster per token than
-512-row ubatches (llama-bench: 156 vs 99 tok/s): prompts enter at the best rate the machine has,
-and running streams sit the steps that read prompts out for up to `decode_wait` seconds
+ubatch). With a KV stream per slot a step's prompt rows are one ubatch: prompts read together take
+equal rows on neighbouring sequence ids (a few rows of another prompt beside a chunk cost a pass
+over the weights of their own: 2.65 vs 2.2 s for 48 rows of the 1.5B on the slow machine), and a
+prompt whose rows left would be fewer than a chunk reads them with it. On this 2-core CPU the 1.5B's
+knee is ~128 rows, which also prefill faster per token than 512-row ubatches (llama-bench: 156
+vs 99 tok/s): prompts enter at the best rate the machine has, and running streams sit the steps
+that read prompts out for up to `decode_wait` seconds
 (BatchOptions: 10), taking the next one once the steps they sat out and the next chunk's predicted
 cost would pass it. llama-server's streams wait for a whole n_batch of prompt rows (2,048: ≈ 25 s
 for the 1.5B on a 2-core machine that reads 156 prompt tokens a second, over a minute on one that
@@ -264,13 +265,14 @@ class Scheduler:
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_chunks(self, prefilling: list[RequestState], n_decoding: int) -> list[tuple[RequestState, int]]:
         """Prompt rows this step, first come first served: up to the cost curve's knee (see the
-        module), capped by `prefill_chunk` while others decode. A prompt whose rows left after
-        the chunk would be fewer than the chunk takes them now (a short tail is a dear step of its
-        own). With a KV stream per slot the step stays ONE ubatch: llama.cpp cuts a batch into
-        ubatches of equal rows per sequence over consecutive ids (`ubatch_rows`), so another prompt
-        joins only with as many rows on a neighbouring sequence id, up to the knee while others
-        decode and up to n_batch while none does (as llama-server fills its ubatch); any other mix
-        would add a pass over the weights for a few rows (measured in benchmarks/RESULTS.md)."""
+        module), capped by `prefill_chunk` while others decode. With one KV cache every row shares
+        the ubatch, so prompts fill the budget in turn. With a KV stream per slot the step stays ONE
+        ubatch: llama.cpp cuts a batch into ubatches of equal rows per sequence over consecutive ids
+        (`ubatch_rows`), so another prompt joins only with as many rows on a neighbouring sequence
+        id, up to the knee while others decode and up to n_batch while none does (as llama-server
+        fills its ubatch); any other mix would add a pass over the weights for a few rows (measured
+        in benchmarks/RESULTS.md). There, too, a prompt whose rows left after the chunk would be
+        fewer than the chunk takes them now (a short tail is a dear step of its own)."""
         rt = self.runtime
         room = rt.n_batch - n_decoding
         budget = min(room, self.costs.prefill_knee(rt.n_batch))
