@@ -343,3 +343,62 @@ def test_prompt_steps_are_one_ubatch_and_a_short_tail_joins_its_chunk(f16_path, 
                                                              for p, d in zip(prompts, done))
     for p, ref, d in zip(prompts, lone, done):
         assert_same_or_near_tie(single, p, ref, d.tokens)
+
+
+def test_streams_wait_for_the_prompts_that_came_with_them_and_those_read_together(f16_path, single, monkeypatch):
+    """Prompts submitted together: the one that finishes first sits out the steps that read the
+    others (as llama-server's streams wait for its batch) although each of those steps costs more
+    than `decode_wait` by the curve, and while it sits out, the other prompts' rows are read
+    together (equal rows on neighbouring ids: one ubatch), not one prompt a step. A prompt that
+    arrives after the streams decode keeps the `decode_wait` bound: they ride its steps."""
+    steps: list[list[tuple[int, int]]] = []  # per decode: (sequence id, rows) in batch order
+    decode = LlamaRuntime.decode_batch
+
+    def recorded_decode(self, rows):
+        shape: list[list[int]] = []
+        for seq in rows.seqs:
+            if shape and shape[-1][0] == seq:
+                shape[-1][1] += 1
+            else:
+                shape.append([seq, 1])
+        steps.append([(s, n) for s, n in shape])
+        return decode(self, rows)
+
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
+    curve = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
+             384: 1.2, 512: 1.6}  # knee 32; every prompt step costs far more than the 1 ms bound
+    batch = BatchOptions(parallel=4, cost_curve=curve, calibrate_when_idle=False, decode_wait=0.001)
+    words = ["alpha", "bravo", "charlie", "delta"]
+    prompts = [single.tokenize(" ".join(f"{words[k]}{i} item" for i in range(60)))[:n]
+               for k, n in enumerate([70, 150, 150, 150])]
+    lone = []
+    for p in prompts:
+        single.reset()
+        lone.append(single.generate(p, replace(greedy(), max_tokens=6)).result().tokens)
+    with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
+        steps.clear()
+        done = concurrently(be, prompts, replace(greedy(), max_tokens=6))
+        together = [list(s) for s in steps]
+        steps.clear()
+        running = be.generate("1, 2, 3, 4, 5, 6, 7, 8,", replace(greedy(), max_tokens=40))
+        first = next(e for e in running if isinstance(e, edgeinfer.TokenEvent))
+        assert first.text
+        fresh = single.tokenize(" ".join(f"echo{i} item" for i in range(60)))[:120]
+        late = be.submit(fresh, replace(greedy(), max_tokens=2)).result()
+        rest = running.result()
+    print("steps of the prompts that came together:", together)
+    prompt_steps = [i for i, s in enumerate(together) if any(n > 1 for _, n in s)]
+    last_prompt_step = prompt_steps[-1]
+    # No decode row until every prompt is read: the first to finish waited for the others ...
+    assert all(all(n > 1 for _, n in s) for s in together[: last_prompt_step + 1]), together
+    # ... and the steps it sat out read the other three together, as one ubatch each
+    first_done = next(i for i, s in enumerate(together) if sum(n for q, n in s if q == 0) and i > 0
+                      and sum(n for s2 in together[: i + 1] for q, n in s2 if q == 0) >= 70)
+    sat_out = together[first_done + 1 : last_prompt_step + 1]
+    assert sat_out and all(len(s) == 3 and len(ubatch_rows(s, 512, False)) == 1 for s in sat_out), together
+    for p, ref, d in zip(prompts, lone, done):
+        assert_same_or_near_tie(single, p, ref, d.tokens)
+    # The late prompt's steps: the running stream (slot 0 or another) rode them (1 ms bound)
+    late_steps = [s for s in steps if any(n > 1 for _, n in s)]
+    assert late.stats.prompt_tokens == 120 and late.stats.cached_tokens < 8 and rest.tokens
+    assert any(any(n == 1 for _, n in s) for s in late_steps), steps

@@ -82,7 +82,8 @@ class BatchOptions:
     prefill_chunk: int | None = None
     # While prompts are read, the longest a request already decoding waits for its next token, in
     # seconds (0: it takes every step). Each step it takes costs a ubatch of its own beside the
-    # prompt chunk (a KV stream per slot) and staggers when the streams end; scheduler.py says why 10.
+    # prompt chunk (a KV stream per slot) and staggers when the streams end; scheduler.py says why 10,
+    # and why prompts submitted before a request's first token may hold it longer (0: never).
     decode_wait: float = 10.0
     draft_max: int = 16  # most drafted rows per slot and step
     margin: float = 0.03  # drafting must beat not drafting by this fraction

@@ -27,9 +27,13 @@ the chunk (their own weight pass, not a free ride as on a GPU: 4 rows cost ≈ 9
 step), and streams that start decoding one chunk apart also end one chunk apart, leaving a tail of
 small, dear batches; streams that wait for the prompts that came with them decode together, as
 llama-server's do. Why a bound: a long prompt arriving must not stall every running stream for
-minutes (benchmarks/RESULTS.md measures the wait against every step and every second step). With
-one KV cache for every slot the rows share the chunk's ubatch, and decoding requests take every
-step.
+minutes (benchmarks/RESULTS.md measures the wait against every step and every second step). The
+prompts that came with a stream (submitted before its first token) are not such an arrival: it
+waits for those as llama-server's streams wait for the batch they came in, up to what 2,048 prompt
+rows cost by the curve (on the slow machine 10 s is ~210 rows, less than two snippet prompts: eight
+clients' tails were read one prompt a step). While streams sit a step out they need no room in it,
+so prompts join the chunk up to n_batch rows. With one KV cache for every slot the rows share the
+chunk's ubatch, and decoding requests take every step.
 
 Faults stay where they happen: an exception while verifying one request ends that request with an
 error (its reader gets it); a failed decode ends the requests that had rows in it.
@@ -57,6 +61,9 @@ from .speculation.policy import CostModel, plan_drafts
 __all__ = ["Scheduler", "Slot", "StepCounters"]
 
 log = logging.getLogger(__name__)
+
+# llama-server reads up to n_batch prompt rows (2,048 by default) in a step its running streams wait for
+PEER_BATCH_ROWS = 2048
 
 DraftSource = Callable[[SpeculationOptions], "DraftContext | HeadContext | None"]
 HeadSource = Callable[[], "list[HeadContext]"]
@@ -177,9 +184,8 @@ class Scheduler:
         self.costs.at(depth)
         chunks = self._prefill_chunks(prefilling, len(decoding))
         held = False  # the decoding requests sit this step out (see the module: prefill)
-        if decoding and chunks and self.split:
-            chunk_s = self.step_cost(sorted((r.seq.seq_id, n) for r, n in chunks))  # type: ignore[union-attr]
-            held = self._waited + chunk_s <= self.decode_wait
+        if decoding and chunks and self.split and self.decode_wait > 0:
+            chunks, held = self._held_chunks(prefilling, decoding, chunks)
         if held:
             decoding = []
         else:
@@ -263,7 +269,8 @@ class Scheduler:
         return True
 
     # -- prefill ---------------------------------------------------------------------------------
-    def _prefill_chunks(self, prefilling: list[RequestState], n_decoding: int) -> list[tuple[RequestState, int]]:
+    def _prefill_chunks(self, prefilling: list[RequestState], n_decoding: int,
+                        held: bool = False) -> list[tuple[RequestState, int]]:
         """Prompt rows this step, first come first served: up to the cost curve's knee (see the
         module), capped by `prefill_chunk` while others decode. With one KV cache every row shares
         the ubatch, so prompts fill the budget in turn. With a KV stream per slot the step stays ONE
@@ -295,7 +302,7 @@ class Scheduler:
         n = min(budget, left)
         if left - n < n and left <= (budget if capped else room):
             n = left
-        cap = budget if n_decoding else room
+        cap = budget if n_decoding and not held else room
         by_seq = {r.seq.seq_id: r for r in prefilling}  # type: ignore[union-attr]
         run = [head]
         for step in (1, -1):  # neighbours above the head's sequence id, then below
@@ -304,6 +311,25 @@ class Scheduler:
                 run.append(by_seq[seq])
                 seq += step
         return [(r, n) for r in run]
+
+    def _held_chunks(self, prefilling: list[RequestState], decoding: list[RequestState],
+                     chunks: list[tuple[RequestState, int]]) -> tuple[list[tuple[RequestState, int]], bool]:
+        """The prompt rows of a step the decoding requests sit out, and whether they do (a KV
+        stream per slot). Sitting out, they need no room in the step: prompts join the chunk up to
+        n_batch rows (fewer if the wait allows fewer; never beyond `prefill_chunk`). The wait is
+        `decode_wait` for prompts that arrived while the streams decoded; prompts submitted before
+        every decoding request's first token came with them, and they wait for those as
+        llama-server's streams do, for up to `PEER_BATCH_ROWS` prompt rows."""
+        wide = chunks if self.prefill_chunk else self._prefill_chunks(prefilling, len(decoding), held=True)
+        started = min(r.t_first for r in decoding)
+        peer_wait = self.costs.time(self.runtime.n_batch) * PEER_BATCH_ROWS / self.runtime.n_batch
+        for k in range(len(wide), len(chunks) - 1, -1):
+            run = wide[:k]
+            came_with = all(r.t_submit <= started for r, _ in run)
+            bound = max(self.decode_wait, peer_wait) if came_with else self.decode_wait
+            if self._waited + self.step_cost(sorted((r.seq.seq_id, n) for r, n in run)) <= bound:  # type: ignore[union-attr]
+                return run, True
+        return chunks, False
 
     def _prompt_chunk(self, r: RequestState, n: int, last_row: int) -> None:
         assert r.seq is not None
