@@ -299,12 +299,9 @@ def test_queue_and_first_token_times_mean_the_same_on_both_faces(face, f16_path,
     assert b.stats.queue_s >= 0.8 * a.stats.decode_s, (a.stats, b.stats)  # (queued after a's first token at least)
 
 
-def test_prompt_steps_are_one_ubatch_and_a_short_tail_joins_its_chunk(f16_path, single, monkeypatch):
-    """With a stream per slot, prompts read in the same step take equal rows on neighbouring
-    sequence ids (one ubatch: llama.cpp would give any other mix a pass over the weights of its
-    own), and a prompt whose rows left after a chunk would be fewer than the chunk reads them in
-    that chunk. Outputs stay the lone ones."""
-    steps: list[list[tuple[int, int]]] = []  # per decode: (sequence id, rows) in batch order
+def record_step_shapes(monkeypatch) -> list[list[tuple[int, int]]]:
+    """Every decode from now on, as (sequence id, rows) runs in batch order."""
+    steps: list[list[tuple[int, int]]] = []
     decode = LlamaRuntime.decode_batch
 
     def recorded_decode(self, rows):
@@ -318,6 +315,15 @@ def test_prompt_steps_are_one_ubatch_and_a_short_tail_joins_its_chunk(f16_path, 
         return decode(self, rows)
 
     monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
+    return steps
+
+
+def test_prompt_steps_are_one_ubatch_and_a_short_tail_joins_its_chunk(f16_path, single, monkeypatch):
+    """With a stream per slot, prompts read in the same step take equal rows on neighbouring
+    sequence ids (one ubatch: llama.cpp would give any other mix a pass over the weights of its
+    own), and a prompt whose rows left after a chunk would be fewer than the chunk reads them in
+    that chunk. Outputs stay the lone ones."""
+    steps = record_step_shapes(monkeypatch)
     # A curve whose knee is 32 rows (16 rows cost twice as much a row; 32 and up the same).
     curve = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
              384: 1.2, 512: 1.6}
@@ -351,20 +357,7 @@ def test_streams_wait_for_the_prompts_that_came_with_them_and_those_read_togethe
     than `decode_wait` by the curve, and while it sits out, the other prompts' rows are read
     together (equal rows on neighbouring ids: one ubatch), not one prompt a step. A prompt that
     arrives after the streams decode keeps the `decode_wait` bound: they ride its steps."""
-    steps: list[list[tuple[int, int]]] = []  # per decode: (sequence id, rows) in batch order
-    decode = LlamaRuntime.decode_batch
-
-    def recorded_decode(self, rows):
-        shape: list[list[int]] = []
-        for seq in rows.seqs:
-            if shape and shape[-1][0] == seq:
-                shape[-1][1] += 1
-            else:
-                shape.append([seq, 1])
-        steps.append([(s, n) for s, n in shape])
-        return decode(self, rows)
-
-    monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
+    steps = record_step_shapes(monkeypatch)
     curve = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
              384: 1.2, 512: 1.6}  # knee 32; every prompt step costs far more than the 1 ms bound
     batch = BatchOptions(parallel=4, cost_curve=curve, calibrate_when_idle=False, decode_wait=0.001)
