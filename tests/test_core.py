@@ -299,6 +299,11 @@ def test_queue_and_first_token_times_mean_the_same_on_both_faces(face, f16_path,
     assert b.stats.queue_s >= 0.8 * a.stats.decode_s, (a.stats, b.stats)  # (queued after a's first token at least)
 
 
+# A cost curve whose knee is 32 rows (16 rows cost twice as much a row; 32 and up the same).
+KNEE_32_CURVE = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
+                 384: 1.2, 512: 1.6}
+
+
 def record_step_shapes(monkeypatch) -> list[list[tuple[int, int]]]:
     """Every decode from now on, as (sequence id, rows) runs in batch order."""
     steps: list[list[tuple[int, int]]] = []
@@ -324,10 +329,7 @@ def test_prompt_steps_are_one_ubatch_and_a_short_tail_joins_its_chunk(f16_path, 
     own), and a prompt whose rows left after a chunk would be fewer than the chunk reads them in
     that chunk. Outputs stay the lone ones."""
     steps = record_step_shapes(monkeypatch)
-    # A curve whose knee is 32 rows (16 rows cost twice as much a row; 32 and up the same).
-    curve = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
-             384: 1.2, 512: 1.6}
-    batch = BatchOptions(parallel=4, cost_curve=curve, calibrate_when_idle=False)
+    batch = BatchOptions(parallel=4, cost_curve=KNEE_32_CURVE, calibrate_when_idle=False)
     words = ["alpha", "bravo", "charlie", "delta"]
     prompts = [single.tokenize(" ".join(f"{words[k]}{i} item" for i in range(60)))[:150 - 12 * k] for k in range(4)]
     lone = []
@@ -358,9 +360,8 @@ def test_streams_wait_for_the_prompts_that_came_with_them_and_those_read_togethe
     together (equal rows on neighbouring ids: one ubatch), not one prompt a step. A prompt that
     arrives after the streams decode keeps the `decode_wait` bound: they ride its steps."""
     steps = record_step_shapes(monkeypatch)
-    curve = {1: 0.01, 2: 0.012, 16: 0.1, 32: 0.1, 48: 0.15, 64: 0.2, 96: 0.3, 128: 0.4, 192: 0.6, 256: 0.8,
-             384: 1.2, 512: 1.6}  # knee 32; every prompt step costs far more than the 1 ms bound
-    batch = BatchOptions(parallel=4, cost_curve=curve, calibrate_when_idle=False, decode_wait=0.001)
+    # every prompt step costs far more than the 1 ms bound by this curve
+    batch = BatchOptions(parallel=4, cost_curve=KNEE_32_CURVE, calibrate_when_idle=False, decode_wait=0.001)
     words = ["alpha", "bravo", "charlie", "delta"]
     prompts = [single.tokenize(" ".join(f"{words[k]}{i} item" for i in range(60)))[:n]
                for k, n in enumerate([70, 150, 150, 150])]
@@ -385,8 +386,8 @@ def test_streams_wait_for_the_prompts_that_came_with_them_and_those_read_togethe
     # No decode row until every prompt is read: the first to finish waited for the others ...
     assert all(all(n > 1 for _, n in s) for s in together[: last_prompt_step + 1]), together
     # ... and the steps it sat out read the other three together, as one ubatch each
-    first_done = next(i for i, s in enumerate(together) if sum(n for q, n in s if q == 0) and i > 0
-                      and sum(n for s2 in together[: i + 1] for q, n in s2 if q == 0) >= 70)
+    first_done = next(i for i in range(len(together))  # the step that read slot 0's last prompt row
+                      if sum(n for s in together[: i + 1] for q, n in s if q == 0) >= 70)
     sat_out = together[first_done + 1 : last_prompt_step + 1]
     assert sat_out and all(len(s) == 3 and len(ubatch_rows(s, 512, False)) == 1 for s in sat_out), together
     for p, ref, d in zip(prompts, lone, done):

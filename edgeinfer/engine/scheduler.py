@@ -323,7 +323,7 @@ class Scheduler:
         wide = chunks if self.prefill_chunk else self._prefill_chunks(prefilling, len(decoding), held=True)
         started = min(r.t_first for r in decoding)
         peer_wait = self.costs.time(self.runtime.n_batch) * PEER_BATCH_ROWS / self.runtime.n_batch
-        for k in range(len(wide), len(chunks) - 1, -1):
+        for k in range(len(wide), len(chunks) - 1, -1):  # the knee's run is a prefix of the wide one
             run = wide[:k]
             came_with = all(r.t_submit <= started for r, _ in run)
             bound = max(self.decode_wait, peer_wait) if came_with else self.decode_wait
