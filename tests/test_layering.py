@@ -185,3 +185,14 @@ def test_public_api_is_declared_and_defined():
         assert exported is not None, f"{info.name} has no __all__"
         missing = [n for n in exported if not hasattr(mod, n)]
         assert not missing, f"{info.name}.__all__ names undefined {missing}"
+
+
+ENGINE_MODULE_MAX_LINES = 600  # issue 23: the engine core stays in modules one can read whole
+
+
+def test_no_engine_module_is_over_600_lines():
+    modules = sorted((ROOT / "edgeinfer" / "engine").rglob("*.py"))
+    assert len(modules) > 20  # the engine is where it was (a moved package must not pass by being empty)
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines()) for p in modules}
+    over = {name: n for name, n in sizes.items() if n > ENGINE_MODULE_MAX_LINES}
+    assert not over, f"engine modules over {ENGINE_MODULE_MAX_LINES} lines: {over}"

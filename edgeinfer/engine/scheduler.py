@@ -13,27 +13,24 @@ Prefill is scheduled by the cost curve, not a fixed count: a step takes prompt r
 curve's knee, the smallest chunk whose cost per row is within 5 % of the best the measured curve
 shows up to n_batch (the whole ubatch while the curve is only a prior, as llama-server fills its
 ubatch). With a KV stream per slot a step's prompt rows are one ubatch: prompts read together take
-equal rows on neighbouring sequence ids (a few rows of another prompt beside a chunk cost a pass
-over the weights of their own: 2.65 vs 2.2 s for 48 rows of the 1.5B on the slow machine), and a
-prompt whose rows left would be fewer than a chunk reads them with it. On this 2-core CPU the 1.5B's
-knee is ~128 rows, which also prefill faster per token than 512-row ubatches (llama-bench: 156
-vs 99 tok/s): prompts enter at the best rate the machine has, and running streams sit the steps
-that read prompts out for up to `decode_wait` seconds
-(BatchOptions: 10), taking the next one once the steps they sat out and the next chunk's predicted
-cost would pass it. llama-server's streams wait for a whole n_batch of prompt rows (2,048: ≈ 25 s
-for the 1.5B on a 2-core machine that reads 156 prompt tokens a second, over a minute on one that
-reads 22). Why wait at all: with a KV stream per slot the decoding rows are a ubatch of their own beside
-the chunk (their own weight pass, not a free ride as on a GPU: 4 rows cost ≈ 9 % of a chunk's
-step), and streams that start decoding one chunk apart also end one chunk apart, leaving a tail of
-small, dear batches; streams that wait for the prompts that came with them decode together, as
-llama-server's do. Why a bound: a long prompt arriving must not stall every running stream for
-minutes (benchmarks/RESULTS.md measures the wait against every step and every second step). The
-prompts that came with a stream (submitted before its first token) are not such an arrival: it
-waits for those as llama-server's streams wait for the batch they came in, up to what 2,048 prompt
-rows cost by the curve (on the slow machine 10 s is ~210 rows, less than two snippet prompts: eight
-clients' tails were read one prompt a step). While streams sit a step out they need no room in it,
-so prompts join the chunk up to n_batch rows. With one KV cache for every slot the rows share the
-chunk's ubatch, and decoding requests take every step.
+equal rows on neighbouring sequence ids, and a prompt whose rows left would be fewer than a chunk
+reads them with it (a few rows beside a chunk cost a pass over the weights of their own: 2.65 vs
+2.2 s for 48 rows of the 1.5B on the slow machine).
+
+Running streams sit the steps that read prompts out for up to `decode_wait` seconds (BatchOptions:
+10), taking the next one once the steps they sat out and the next chunk's predicted cost would pass
+it. Why wait: with a KV stream per slot the decoding rows are a ubatch of their own beside the chunk
+(a weight pass, not a free ride as on a GPU: 4 rows cost ≈ 9 % of a chunk's step), and streams
+that start decoding one chunk apart end one chunk apart, in small, dear batches; streams that wait
+for the prompts that came with them decode together, as llama-server's do. Why a bound: a long
+prompt arriving must not stall every running stream for minutes (llama-server's wait for a whole
+n_batch of prompt rows: 2,048, ≈ 25 s for the 1.5B on a 2-core machine reading 156 prompt tokens a
+second, over a minute on one reading 22). The prompts submitted before a stream's first token came
+with it: it waits for those as llama-server's streams do, up to what 2,048 prompt rows cost by the
+curve (on the slow machine 10 s is ~210 rows, and eight clients' tails were read one prompt a step).
+While streams sit a step out they need no room in it, so prompts join the chunk up to n_batch rows.
+With one KV cache for every slot the rows share the chunk's ubatch, and decoding requests take
+every step.
 
 Faults stay where they happen: an exception while verifying one request ends that request with an
 error (its reader gets it); a failed decode ends the requests that had rows in it.
@@ -271,15 +268,13 @@ class Scheduler:
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_chunks(self, prefilling: list[RequestState], n_decoding: int,
                         held: bool = False) -> list[tuple[RequestState, int]]:
-        """Prompt rows this step, first come first served: up to the cost curve's knee (see the
-        module), capped by `prefill_chunk` while others decode. With one KV cache every row shares
-        the ubatch, so prompts fill the budget in turn. With a KV stream per slot the step stays ONE
-        ubatch: llama.cpp cuts a batch into ubatches of equal rows per sequence over consecutive ids
-        (`ubatch_rows`), so another prompt joins only with as many rows on a neighbouring sequence
-        id, up to the knee while others decode and up to n_batch while none does (as llama-server
-        fills its ubatch); any other mix would add a pass over the weights for a few rows (measured
-        in benchmarks/RESULTS.md). There, too, a prompt whose rows left after the chunk would be
-        fewer than the chunk takes them now (a short tail is a dear step of its own)."""
+        """Prompt rows this step, first come first served: up to the cost curve's knee, capped by
+        `prefill_chunk` while others decode (see the module). With one KV cache prompts fill the
+        budget in turn. With a KV stream per slot the step stays ONE ubatch (`ubatch_rows`: equal
+        rows per sequence over consecutive ids): another prompt joins only with as many rows on a
+        neighbouring sequence id, up to the knee while others decode and up to n_batch while none
+        does or they are `held`; and a prompt whose rows left after the chunk would be fewer than
+        the chunk takes them now (a short tail is a dear step of its own)."""
         rt = self.runtime
         room = rt.n_batch - n_decoding
         budget = min(room, self.costs.prefill_knee(rt.n_batch))
