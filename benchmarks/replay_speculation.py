@@ -29,6 +29,13 @@ model nobody here can run, not a measurement.
 
     .venv/bin/python -m benchmarks.replay_speculation [--tokens 384] [--quants F16,Q8_0]
     .venv/bin/python -m benchmarks.replay_speculation --pair [--tokens 256] [--belief true,calibrated]
+    .venv/bin/python -m benchmarks.replay_speculation --pair --tokens 192 \
+        --workloads edit-few,edit-rewrite,edit-add --fixed 2,5,63
+
+`--fixed` also replays lookup at fixed draft lengths (`adaptive=False`) on the same recorded text
+and curve: what the adaptive policy is worth against the best single length in hindsight. With
+`--pair` the workloads include bench_serve.py's three code edits (a few lines renamed, most lines
+given a docstring, a function added), the shapes issue 23 measures through the server.
     .venv/bin/python -m benchmarks.replay_speculation --curve 1:16.2,2:21.5,4:28.2,8:24.4 \
         --profile 0.88,0.85,0.70,0.70 --draft-cost 0.31 --max-draft 4
 """
@@ -52,27 +59,26 @@ SAMPLED = {"sampled story": "Write a short story about a lighthouse keeper and a
 
 
 def cost_curve(engine, prompt: list[int], reps: int = 5, max_b: int = 33) -> dict[int, float]:
-    """Median time in seconds of a b-token decode (logits for every row) after `prompt`, every b,
-    sizes alternating within each repetition so that load affects them alike."""
+    """Median time in seconds of a b-token decode (logits for every row) after `prompt`, every b up
+    to 33 and then every 16th (linear in between), sizes alternating within each repetition so that
+    load affects them alike."""
     seq = engine._scheduler.slots[0].seq  # the engine's own sequence, driven by hand
     engine.reset()
     seq.decode_all(prompt)
     base = len(seq)
+    sizes = [b for b in range(1, 34) if b <= max_b] + list(range(48, max_b + 16, 16))
     times: dict[int, list[float]] = {}
     for _ in range(reps):
-        for b in range(1, max_b + 1):
+        for b in sizes:
             t0 = time.perf_counter()
             seq.decode([prompt[i % len(prompt)] for i in range(b)], logits_from=0)
             times.setdefault(b, []).append(time.perf_counter() - t0)
             seq.truncate(base)
-    return {b: statistics.median(v) for b, v in times.items()}
+    return _filled({b: statistics.median(v) for b, v in times.items()})
 
 
-def parse_curve(text: str) -> dict[int, float]:
-    """'1:16.2,2:21.5,4:28.2' (batch size: tokens/s, as llama-bench prints) -> seconds for every b
-    from 1 to the largest, linear in between."""
-    tok_s = {int(b): float(v) for b, v in (item.split(":") for item in text.split(","))}
-    known = {b: b / v for b, v in tok_s.items()}
+def _filled(known: dict[int, float]) -> dict[int, float]:
+    """Seconds for every b from 1 to the largest known size, linear between known sizes."""
     sizes = sorted(known)
     out = {}
     for b in range(1, sizes[-1] + 1):
@@ -81,6 +87,13 @@ def parse_curve(text: str) -> dict[int, float]:
         w = 0.0 if hi == lo else (b - lo) / (hi - lo)
         out[b] = known[lo] * (1 - w) + known[hi] * w
     return out
+
+
+def parse_curve(text: str) -> dict[int, float]:
+    """'1:16.2,2:21.5,4:28.2' (batch size: tokens/s, as llama-bench prints) -> seconds for every b
+    from 1 to the largest, linear in between."""
+    tok_s = {int(b): float(v) for b, v in (item.split(":") for item in text.split(","))}
+    return _filled({b: b / v for b, v in tok_s.items()})
 
 
 def ratios(curve: dict[int, float]) -> dict[int, float]:
@@ -135,13 +148,15 @@ class OneRequest:
     """One lookup request stepped the way the scheduler core steps it alone (Scheduler._plan with
     one decoding request): the engine's own RequestSpeculation, proposal, plan and feedback."""
 
-    def __init__(self, costs, n_batch: int = 512):
+    def __init__(self, costs, n_batch: int = 512, fixed: int | None = None):
         from edgeinfer import SpeculationOptions
         from edgeinfer.engine.events import SpeculationStats
         from edgeinfer.engine.speculation import RequestSpeculation
 
         self.costs, self.n_batch = costs, n_batch
-        self.spec = RequestSpeculation(SpeculationOptions(method="lookup"), costs, SpeculationStats("lookup"), None, None)
+        opts = (SpeculationOptions(method="lookup") if fixed is None
+                else SpeculationOptions(method="lookup", draft_max=fixed, adaptive=False))
+        self.spec = RequestSpeculation(opts, costs, SpeculationStats("lookup"), None, None)
         self.lookup = self.spec.lookup
         self.proposal = None
 
@@ -156,7 +171,7 @@ class OneRequest:
         if p is None:
             return []
         margin = p.policy.margin
-        p.k = plan_drafts([p.gains], 1, lambda b: self.costs.time(b) * self.costs.optimism(b), self.n_batch, margin)[0]
+        p.k = p.limit if p.fixed else plan_drafts([p.gains], 1, lambda b: self.costs.time(b) * self.costs.optimism(b), self.n_batch, margin)[0]
         p.k = p.policy.settle(p.k, p.limit, p.gains, p.draft_cost)
         self.proposal = p
         return p.tokens[: p.k]
@@ -168,11 +183,12 @@ class OneRequest:
 
 
 def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief, oracle: str | None = None,
-           noise=None) -> Replay:
+           noise=None, fixed: int | None = None) -> Replay:
     """Replay lookup over `output` (its first token comes from the prompt's logits, as in the
     engine); `belief()` makes the cost model the policy starts from. With `noise()` the policy
-    observes noisy times (the speed-up is still reckoned with the curve's own)."""
-    drafter = OneRequest(belief())
+    observes noisy times (the speed-up is still reckoned with the curve's own). `fixed`: draft
+    that many tokens wherever lookup has them (not adaptive)."""
+    drafter = OneRequest(belief(), fixed=fixed)
     drafter.lookup.sync(prompt)
     out = Replay()
     i, spent = 1, 0.0
@@ -276,13 +292,17 @@ def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str
 
 
 def pair_workloads() -> dict[str, tuple[list[dict[str, str]], str]]:
-    """The issue's workloads on the real pair: the code edit and two free-form prompts."""
+    """The issue's workloads on the real pair: the code edit and two free-form prompts, and
+    bench_serve.py's three code edits (as its requests send them, without a reply start)."""
+    from benchmarks.bench_serve import EDITS, prompts
+
     loads = workloads()
     return {
         "code edit": loads["code edit"],
         "coding question": ([{"role": "user", "content": "Write a Python function that parses an ISO 8601 "
                               "duration like P3DT4H12M into seconds, with a docstring and three doctests."}], ""),
         "story": loads["free chat"],
+        **{kind: ([{"role": "user", "content": prompts(kind, 1)[0]}], "") for kind in EDITS},
     }
 
 
@@ -303,7 +323,8 @@ def recorded_output(engine, prompt: list[int], sampling, tokens: int, record: Pa
 
 
 def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled: bool = True,
-        fixed_curve: dict[int, float] | None = None, record: Path | None = None) -> list[dict]:
+        fixed_curve: dict[int, float] | None = None, record: Path | None = None,
+        fixed_lengths: tuple[int, ...] = ()) -> list[dict]:
     import edgeinfer
 
     prompts: dict[str, tuple[list[int], edgeinfer.SamplingOptions]] = {}
@@ -323,7 +344,7 @@ def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled
         if fixed_curve is not None:
             curves[depth] = fixed_curve
         elif depth not in curves:
-            curves[depth] = cost_curve(engine, prompt)
+            curves[depth] = cost_curve(engine, prompt, max_b=max([33, *(k + 1 for k in fixed_lengths)]))
         curve = curves[depth]
         output = recorded_output(engine, prompt, sampling, tokens, record)
         beliefs = _beliefs(engine, prompt, curve, belief_names)
@@ -337,17 +358,20 @@ def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled
                          "policy": round(pol.speedup, 3), "first_oracle": round(first.speedup, 3),
                          "length_oracle": round(length.speedup, 3), "curve_bound": round(bound, 3),
                          "bound_k": bound_k, "acceptance": round(acc, 3), "steps": pol.summary(),
+                         "fixed": {k: round(replay(prompt, output, curve, belief, fixed=k).speedup, 3)
+                                   for k in fixed_lengths},
                          "curve": {b: round(r, 2) for b, r in ratios(curve).items()}})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
+    fixed = list(rows[0]["fixed"]) if rows else []
     print(f"{'model':6} {'workload':16} {'belief':10} {'depth':>5} {'policy':>6} {'1st-or':>6} {'len-or':>6} "
-          f"{'bound':>6} {'k*':>3} {'accept':>6}  steps")
+          f"{'bound':>6} {'k*':>3} {'accept':>6} " + "".join(f"{f'k={k}':>7}" for k in fixed) + "  steps")
     for r in rows:
         print(f"{r['model']:6} {r['workload']:16} {r['belief']:10} {r['depth']:5d} {r['policy']:6.2f} "
               f"{r['first_oracle']:6.2f} {r['length_oracle']:6.2f} {r['curve_bound']:6.2f} {r['bound_k']:3d} "
-              f"{r['acceptance']:6.2f}  {r['steps']}")
+              f"{r['acceptance']:6.2f} " + "".join(f"{r['fixed'][k]:7.2f}" for k in fixed) + f"  {r['steps']}")
     seen = set()
     for r in rows:
         key = (r["model"], r["depth"])
@@ -373,6 +397,7 @@ def main() -> None:
                     "'1:16.2,2:21.5,4:28.2,8:24.4,16:28.6,32:30.0' (batch size: tok/s)")
     ap.add_argument("--record", type=Path, help="JSON file keeping the recorded outputs between runs")
     ap.add_argument("--workloads", default="", help="comma-separated subset")
+    ap.add_argument("--fixed", default="", help="also replay these fixed draft lengths, e.g. 2,5,63 (adaptive off)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", help="replay a drafting head instead: per-position acceptance, e.g. 0.88,0.85,0.70 "
                     "(needs --curve and --draft-cost)")
@@ -381,6 +406,9 @@ def main() -> None:
                     "its rollback snapshots, 4)")
     args = ap.parse_args()
     fixed = parse_curve(args.curve) if args.curve else None
+    lengths = tuple(int(k) for k in args.fixed.split(",") if k.strip())
+    if any(not 1 <= k <= 64 for k in lengths):
+        raise SystemExit("--fixed lengths must be in [1, 64] (SpeculationOptions.draft_max)")
     if args.profile:
         if fixed is None or args.draft_cost is None:
             raise SystemExit("--profile needs --curve and --draft-cost")
@@ -410,7 +438,7 @@ def main() -> None:
         target, _ = qwen_pair()
         engine = edgeinfer.load(str(target), n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
         rows += run(engine, _subset(pair_workloads(), args.workloads), args.tokens, beliefs, "1.5B",
-                    sampled=not args.workloads, fixed_curve=fixed, record=args.record)
+                    sampled=not args.workloads, fixed_curve=fixed, record=args.record, fixed_lengths=lengths)
         engine.close()
     else:
         quants = [q.strip().upper() for q in args.quants.split(",")]
@@ -418,7 +446,7 @@ def main() -> None:
         for quant in quants:
             engine = edgeinfer.load(refs[quant], n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
             rows += run(engine, _subset(workloads(), args.workloads), args.tokens, beliefs, quant,
-                        sampled=not args.workloads, fixed_curve=fixed, record=args.record)
+                        sampled=not args.workloads, fixed_curve=fixed, record=args.record, fixed_lengths=lengths)
             engine.close()
     tmp.cleanup()
     print(f"load average {os.getloadavg()[0]:.1f} at end")

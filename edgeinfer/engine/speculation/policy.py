@@ -24,8 +24,11 @@ from ..options import DEFAULT_SPECULATION, SpeculationOptions
 __all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "plan_drafts", "CALIBRATION_SIZES", "PREFILL_SIZES",
            "break_even_draft_cost"]
 
-# Both sides of the tile sizes where the curve jumps; other sizes are interpolated, then learned.
-CALIBRATION_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)
+# Every size up to 9 and both sides of the tile sizes where the curve jumps; other sizes are
+# interpolated, then learned. A size priced by interpolation is only learned once drafted, and on
+# the slow AVX2 machine 7 rows cost 4.1 steps where 5 and 8 say 5.3: never drafted (see RESULTS.md,
+# "What the code edits can reach on this machine").
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33)
 # Prompt chunk sizes the prefill budget chooses among (the cheapest per row, see prefill_knee).
 PREFILL_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Explorations draft at most this many tokens (the length that costs least for what it may buy:
