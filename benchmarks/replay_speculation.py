@@ -31,13 +31,13 @@ model nobody here can run, not a measurement.
     .venv/bin/python -m benchmarks.replay_speculation --pair [--tokens 256] [--belief true,calibrated]
     .venv/bin/python -m benchmarks.replay_speculation --pair --tokens 192 \
         --workloads edit-few,edit-rewrite,edit-add --fixed 2,5,63
+    .venv/bin/python -m benchmarks.replay_speculation --curve 1:16.2,2:21.5,4:28.2,8:24.4 \
+        --profile 0.88,0.85,0.70,0.70 --draft-cost 0.31 --max-draft 4
 
 `--fixed` also replays lookup at fixed draft lengths (`adaptive=False`) on the same recorded text
 and curve: what the adaptive policy is worth against the best single length in hindsight. With
 `--pair` the workloads include bench_serve.py's three code edits (a few lines renamed, most lines
 given a docstring, a function added), the shapes issue 23 measures through the server.
-    .venv/bin/python -m benchmarks.replay_speculation --curve 1:16.2,2:21.5,4:28.2,8:24.4 \
-        --profile 0.88,0.85,0.70,0.70 --draft-cost 0.31 --max-draft 4
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def cost_curve(engine, prompt: list[int], reps: int = 5, max_b: int = 33) -> dic
     engine.reset()
     seq.decode_all(prompt)
     base = len(seq)
-    sizes = [b for b in range(1, 34) if b <= max_b] + list(range(48, max_b + 16, 16))
+    sizes = [b for b in range(1, 34) if b <= max_b] + (list(range(48, max_b + 16, 16)) if max_b > 33 else [])
     times: dict[int, list[float]] = {}
     for _ in range(reps):
         for b in sizes:
@@ -171,7 +171,11 @@ class OneRequest:
         if p is None:
             return []
         margin = p.policy.margin
-        p.k = p.limit if p.fixed else plan_drafts([p.gains], 1, lambda b: self.costs.time(b) * self.costs.optimism(b), self.n_batch, margin)[0]
+
+        def cost(b: int) -> float:
+            return self.costs.time(b) * self.costs.optimism(b)
+
+        p.k = p.limit if p.fixed else plan_drafts([p.gains], 1, cost, self.n_batch, margin)[0]
         p.k = p.policy.settle(p.k, p.limit, p.gains, p.draft_cost)
         self.proposal = p
         return p.tokens[: p.k]
