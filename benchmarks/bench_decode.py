@@ -121,7 +121,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     engine = edgeinfer.load(path, n_ctx=2048, n_threads=args.threads)  # (a fresh store: llama.cpp's auto)
     impls = {"edgeinfer loop": lambda: run_ours(engine, args.tokens)}
-    if not args.no_flash_choice:  # what `edgeinfer bench` measures and later loads use (engine/flash_choice.py)
+    if not args.no_flash_choice:  # what `edgeinfer bench` measures and later loads use (engine/llama/flash_choice.py)
         from edgeinfer.bench import FLASH_DEPTH
         from edgeinfer.evaluate import default_eval_text
 

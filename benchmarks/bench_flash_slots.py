@@ -2,7 +2,7 @@
 one row per slot, after D tokens of context in every slot (what `BatchEngine` runs once its prompts
 are in). Both settings on contexts of their own over the same file, alternating, medians.
 
-The single-sequence verdict (engine/flash_choice.py) is measured on one sequence; this shows whether
+The single-sequence verdict (engine/llama/flash_choice.py) is measured on one sequence; this shows whether
 it holds for the server's rows (each attends over its own slot's stream).
 
     .venv/bin/python -m benchmarks.bench_flash_slots [--model PATH] [--slots 1,4,8] [--depth 512]
@@ -27,8 +27,8 @@ def models(given: str | None) -> dict[str, Path]:
 
 
 def step_seconds(path: Path, slots: int, depth: int, steps: int, rounds: int, threads: int) -> dict[bool, float]:
-    from edgeinfer.engine.llama import DecodeRows, LlamaRuntime
-    from edgeinfer.engine.options import LoadOptions
+    from edgeinfer.engine.llama.runtime import DecodeRows, LlamaRuntime
+    from edgeinfer.engine.core.options import LoadOptions
 
     rts = {fa: LlamaRuntime(path, LoadOptions(n_ctx=8 * (depth + steps + 64), n_threads=threads, flash_attn=fa),
                             n_seq_max=8, kv_unified=False) for fa in (True, False)}

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 CHILD = r"""
 import json, re, resource, sys
 import edgeinfer
-from edgeinfer.engine.llama import log_capture
+from edgeinfer.engine.llama.runtime import log_capture
 from edgeinfer.evaluate import default_eval_text
 model, kv, depth, n_decode, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 lines = []

@@ -42,7 +42,7 @@ def exact_acceptance(target, draft, prompt: list[int], generated: list[int], sam
     """Mean per-position acceptance of each rule along `generated` (see the module docstring)."""
     import numpy as np
 
-    from edgeinfer.engine.sampler import sampling_distribution
+    from edgeinfer.engine.core.sampler import sampling_distribution
 
     seq = prompt + generated
     start = len(prompt) - 1
@@ -69,7 +69,7 @@ def main() -> None:
     os.environ["EDGEINFER_HOME"] = tempfile.mkdtemp(prefix="bench-rejection-")  # never the user's store
 
     import edgeinfer
-    from edgeinfer.engine.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
+    from edgeinfer.engine.core.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
     from tests.real_models import qwen_pair
 
     target_path, draft_path = qwen_pair()

@@ -53,8 +53,8 @@ def main() -> int:
         os.environ.pop("EDGEINFER_LOAD_PROBE", None)
         from edgeinfer import Store
         from edgeinfer.fsutil import sha256_file
-        from edgeinfer.engine.llama import LlamaRuntime
-        from edgeinfer.engine.options import LoadOptions
+        from edgeinfer.engine.llama.runtime import LlamaRuntime
+        from edgeinfer.engine.core.options import LoadOptions
         from edgeinfer.validate import LoadChecks, admit, probe_load, validate_file
 
         store = Store()

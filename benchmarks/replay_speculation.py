@@ -150,7 +150,7 @@ class OneRequest:
 
     def __init__(self, costs, n_batch: int = 512, fixed: int | None = None):
         from edgeinfer import SpeculationOptions
-        from edgeinfer.engine.events import SpeculationStats
+        from edgeinfer.engine.core.events import SpeculationStats
         from edgeinfer.engine.speculation import RequestSpeculation
 
         self.costs, self.n_batch = costs, n_batch

@@ -12,10 +12,10 @@ This package never imports textual or rich; front ends render its events.
 from __future__ import annotations
 
 from .engine import Engine, Generation, load
-from .engine.batch import BatchEngine, BatchGeneration, BatchMetrics, BatchOptions, ScoredTokenEvent, SlotMetrics
+from .engine.faces.batch import BatchEngine, BatchGeneration, BatchMetrics, BatchOptions, ScoredTokenEvent, SlotMetrics
 from .engine.embedding import EmbeddingResult, EmbedOptions
-from .engine.flash_choice import FlashAttnChoice
-from .engine.events import (
+from .engine.llama.flash_choice import FlashAttnChoice
+from .engine.core.events import (
     DoneEvent,
     Event,
     GenerationStats,
@@ -26,10 +26,10 @@ from .engine.events import (
     ToolCall,
     ToolCallEvent,
 )
-from .engine.grammar import Grammar
-from .engine.json_schema import json_schema_to_grammar
-from .engine.session import RestoreResult, SessionInfo
-from .engine.options import (
+from .engine.structured.grammar import Grammar
+from .engine.structured.json_schema import json_schema_to_grammar
+from .engine.state.session import RestoreResult, SessionInfo
+from .engine.core.options import (
     DEFAULT_GENERATE,
     DEFAULT_LOAD,
     DEFAULT_SAMPLING,

@@ -30,7 +30,7 @@ import numpy as np
 from .gguf_file import GGUFInfo, read_gguf
 
 if TYPE_CHECKING:
-    from .engine.flash_choice import FlashAttnChoice
+    from .engine.llama.flash_choice import FlashAttnChoice
     from .store import Store
 
 __all__ = ["BenchProgress", "BenchResult", "DraftCosts", "MachineLoad", "SpeculationCosts", "measure_bandwidth",
@@ -196,12 +196,12 @@ def bench(
     model (DraftCosts). Saved in the store unless the machine was busy (`save_busy` saves anyway,
     marked). `placement`: LoadOptions fields n_gpu_layers, rpc, tensor_split; a run on RPC workers
     is not saved (it measures those machines too, not this one). `flash_depth`: the context depth
-    at which flash attention is timed on and off (engine/flash_choice.py; 0: not measured), the
+    at which flash attention is timed on and off (engine/llama/flash_choice.py; 0: not measured), the
     verdict kept for later loads of the model that leave flash attention unset."""
     from .devices import last_placement
     from .engine import load
-    from .engine.flash_choice import remember_flash_attn
-    from .engine.options import GenerateOptions, LoadOptions, SamplingOptions
+    from .engine.llama.flash_choice import remember_flash_attn
+    from .engine.core.options import GenerateOptions, LoadOptions, SamplingOptions
     from .store import Store
 
     store = store or Store()

@@ -186,7 +186,7 @@ class _Acc:
 def _load(model: str | Path, ctx: int, n_threads: int | None, kv: tuple[str | None, str | None] = (None, None),
           placement: Mapping[str, Any] | None = None) -> Any:
     from .engine import load
-    from .engine.options import LoadOptions
+    from .engine.core.options import LoadOptions
 
     options = LoadOptions(n_ctx=ctx, n_threads=n_threads, kv_type_k=kv[0], kv_type_v=kv[1], **dict(placement or {}))
     return load(model=str(model) if isinstance(model, Path) else model, options=options)

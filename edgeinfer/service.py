@@ -54,9 +54,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .engine.batch import BatchEngine, BatchOptions
-from .engine.drafts import ProgressCallback
-from .engine.options import DEFAULT_LOAD, DEFAULT_SPECULATION, LoadOptions, SpeculationOptions
+from .engine.faces.batch import BatchEngine, BatchOptions
+from .engine.faces.speculation_setup import ProgressCallback
+from .engine.core.options import DEFAULT_LOAD, DEFAULT_SPECULATION, LoadOptions, SpeculationOptions
 from .errors import EdgeInferError, InvalidOptionError, ModelNotFoundError
 from .fit import available_memory, estimate_memory
 from .gguf_file import GGUFInfo

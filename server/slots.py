@@ -11,7 +11,7 @@ The files live in the store, `$EDGEINFER_HOME/slots/NAME`, and nowhere else: a n
 letters, digits, '.', '_' and '-', starting with a letter or digit, with no '..' (so no path
 separator, no absolute path, no NUL, nothing hidden); a name that is a symbolic link, or that
 resolves outside that folder, is refused. A restored file passes every check of
-edgeinfer.engine.session first (this model's hash, its KV types, sizes, hash, layout): one that does
+edgeinfer.engine.state.session first (this model's hash, its KV types, sizes, hash, layout): one that does
 not is a 400 saying why, and the slot keeps what it had. The work runs on the engine's scheduler
 thread between two steps, on an idle slot only: a slot that runs a request is a 409 (llama-server
 defers the task instead; a client retries). The routes sit behind the API-key check like every

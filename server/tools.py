@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import edgeinfer
-from edgeinfer.engine.chat import normalize_messages
-from edgeinfer.engine.tools import ToolSetup, normalize_tool_choice, normalize_tools, tool_request
+from edgeinfer.engine.chat.template import normalize_messages
+from edgeinfer.engine.chat.tools import ToolSetup, normalize_tool_choice, normalize_tools, tool_request
 
 from .errors import APIError
 

@@ -443,8 +443,8 @@ def cached_default_export(tmp_path_factory: Any, dtype: str = "bfloat16") -> Pat
 # -- llama.cpp logits with an f32 KV cache --------------------------------------------------------
 def llama_cpp_logits(gguf_path: Path, tokens: list[int], n_threads: int | None = None) -> np.ndarray:
     """float32 [len(tokens), n_vocab]: logits at every position, one batch, f32 K/V, no flash attention."""
-    from edgeinfer.engine.llama import backend
-    from edgeinfer.engine.options import LoadOptions
+    from edgeinfer.engine.llama.runtime import backend
+    from edgeinfer.engine.core.options import LoadOptions
 
     ll = backend()  # initialised once, llama.cpp's log routed away from stderr
     mp = ll.llama_model_default_params()

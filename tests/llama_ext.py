@@ -2,7 +2,7 @@
 llama-cpp-python 0.3.36's ctypes bindings. The C++-mangled hidden-state functions
 (`set_embeddings_nextn`, `get_embeddings_nextn[_ith]`, `set/get_embeddings_layer_inp`,
 `target_layer_ids[_n]`) come from the package, checked against the pinned build
-(edgeinfer/engine/llama_ext.py): `ext()` is that API (`.ll` is llama_cpp, its log routed to
+(edgeinfer/engine/llama/heads_api.py): `ext()` is that API (`.ll` is llama_cpp, its log routed to
 edgeinfer's logger). `llama_batch_ext_set_embd_state` is a stub in this llama.cpp (returns
 false): the hidden state rides in `llama_batch_ext_set_embd_token`.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.engine.llama_ext import HeadAPI
-from edgeinfer.engine.llama_ext import ext as _package_ext
+from edgeinfer.engine.llama.heads_api import HeadAPI
+from edgeinfer.engine.llama.heads_api import ext as _package_ext
 
 __all__ = ["ext", "threads", "context", "decode_tokens", "process_pairs", "logits_rows"]
 

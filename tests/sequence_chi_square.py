@@ -9,7 +9,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from test_rejection_sampling import llama_chain_distribution
 
-from edgeinfer.engine.options import SamplingOptions
+from edgeinfer.engine.core.options import SamplingOptions
 
 
 def sequence_chi_square(engine, prompt: Sequence[int], sampling: SamplingOptions, observed: Counter,

@@ -17,9 +17,9 @@ import pytest
 
 import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
-from edgeinfer.engine.batch import plan_drafts
-from edgeinfer.engine.llama import LlamaRuntime
-from edgeinfer.engine.sequence import KVSequence
+from edgeinfer.engine.faces.batch import plan_drafts
+from edgeinfer.engine.llama.runtime import LlamaRuntime
+from edgeinfer.engine.core.sequence import KVSequence
 from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES, CostModel
 from greedy_compare import assert_same_or_near_tie
 

@@ -188,7 +188,7 @@ def test_requantize_error_says_the_next_step(capsys):
 @pytest.mark.slow
 def test_a_library_warning_is_one_cli_line():
     """A first self-draft of the default model (Q4_1) is made by requantizing it: the library's
-    warning reads `edgeinfer: warning: ...`, not Python's `drafts.py:141: UserWarning:` followed by
+    warning reads `edgeinfer: warning: ...`, not Python's `speculation_setup.py:141: UserWarning:` followed by
     a line of our source; the self-draft's progress is shown before the answer."""
     r = cli("run", "Say hi", "--speculate", "self=Q8_0", "-n", "2", "--temperature", "0", "--threads", "1")
     assert r.returncode == 0, r.stderr

@@ -19,9 +19,9 @@ from greedy_compare import assert_same_or_near_tie
 
 import edgeinfer
 from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOptions, SpeculationOptions
-from edgeinfer.engine.llama import LlamaRuntime, ubatch_rows
-from edgeinfer.engine.request import RequestState
-from edgeinfer.engine.scheduler import Scheduler
+from edgeinfer.engine.llama.runtime import LlamaRuntime, ubatch_rows
+from edgeinfer.engine.core.request import RequestState
+from edgeinfer.engine.core.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import edgeinfer
 from edgeinfer import devices
 from edgeinfer.cli import main
 from edgeinfer.devices import DeviceInfo, PlacementError, plan_placement
-from edgeinfer.engine.options import LoadOptions
+from edgeinfer.engine.core.options import LoadOptions
 from edgeinfer.fit import estimate_memory, model_sizes
 
 GPU_BUILD_HINT = ('no GPU backend in this build of llama-cpp-python (see `edgeinfer doctor`); build it with '
@@ -141,7 +141,7 @@ def test_plan_refuses_an_explicit_placement_a_device_cannot_hold(default_model_p
 
 
 def test_placement_fields_of_a_cpu_load(default_model_path):
-    from edgeinfer.engine.llama import require_fields, set_fields
+    from edgeinfer.engine.llama.runtime import require_fields, set_fields
     from edgeinfer.llama_backend import backend
 
     ll = backend()

@@ -141,7 +141,7 @@ def test_estimate_against_llama_cpp_buffers(default_model_path: Path, ctx: int, 
 
     import edgeinfer
     from edgeinfer import read_gguf
-    from edgeinfer.engine.llama import log_capture
+    from edgeinfer.engine.llama.runtime import log_capture
     from edgeinfer.fit import estimate_memory
 
     lines: list[str] = []

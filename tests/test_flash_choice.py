@@ -1,4 +1,4 @@
-"""Flash attention chosen by timing it on and off (engine/flash_choice.py): the verdict's rule, its
+"""Flash attention chosen by timing it on and off (engine/llama/flash_choice.py): the verdict's rule, its
 measurement on the real default model, the store's verdict at the next load, and what it must not
 override (the user's setting, a quantized V cache, another thread count, a hostile store entry)."""
 
@@ -11,8 +11,8 @@ import pytest
 
 import edgeinfer
 from edgeinfer import FlashAttnChoice, Store
-from edgeinfer.engine.flash_choice import MARGIN, TURN_TOKENS, remember_flash_attn, verdict_key, with_measured_flash_attn
-from edgeinfer.engine.options import LoadOptions
+from edgeinfer.engine.llama.flash_choice import MARGIN, TURN_TOKENS, remember_flash_attn, verdict_key, with_measured_flash_attn
+from edgeinfer.engine.core.options import LoadOptions
 
 
 def _choice(decode_on: float, decode_off: float, prefill_on: float = 1.0, prefill_off: float = 1.0) -> FlashAttnChoice:

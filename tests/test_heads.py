@@ -271,7 +271,7 @@ def test_head_options_parse_and_refuse():
 def test_another_binding_is_a_clear_error_not_a_crash():
     """A llama-cpp-python of another llama.cpp (here: one whose library lacks the mangled symbols
     and whose structs lack the fields) is refused by name before anything is called."""
-    from edgeinfer.engine.llama_ext import HeadAPI
+    from edgeinfer.engine.llama.heads_api import HeadAPI
 
     class Struct:
         _fields_ = [("n_ctx", int)]

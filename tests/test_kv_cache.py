@@ -33,7 +33,7 @@ def test_the_list_matches_ggml():
 
 
 def test_options_use_the_list():
-    from edgeinfer.engine.options import KV_TYPES
+    from edgeinfer.engine.core.options import KV_TYPES
     from edgeinfer.fit import KV_BYTES_PER_ELEMENT
     from edgeinfer.profiles import KV_CACHE_TYPES as PROFILE_TYPES
 
@@ -83,7 +83,7 @@ def test_fit_cli_lists_every_kv_type(capsys: pytest.CaptureFixture[str]):
 
 # -- llama.cpp ------------------------------------------------------------------------------------
 def _kv_buffer_mib(default_model_path: Path, **kv) -> float:
-    from edgeinfer.engine.llama import log_capture
+    from edgeinfer.engine.llama.runtime import log_capture
 
     lines: list[str] = []
     with log_capture(lambda level, text: lines.append(text)):

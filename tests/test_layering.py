@@ -21,7 +21,7 @@ FORBIDDEN = [
     ("edgeinfer.hub", "edgeinfer.quantize"),
     ("edgeinfer.hub", "edgeinfer.pull"),
     ("edgeinfer.hub", "edgeinfer.engine"),
-    # speculation is policy and drafters over runtimes it is given: the engine (drafts.py) makes
+    # speculation is policy and drafters over runtimes it is given: the engine (faces/speculation_setup.py) makes
     # self-drafts with the quantizer and keeps costs in the store, speculation never does
     ("edgeinfer.engine.speculation", "edgeinfer.quantize"),
     ("edgeinfer.engine.speculation", "edgeinfer.store"),

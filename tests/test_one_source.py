@@ -11,7 +11,7 @@ from edgeinfer.kv_types import KV_TYPE_NAMES
 def test_the_kv_type_literal_is_the_kv_types_list():
     """`KVType` is a Literal for type checkers, which cannot be built from a tuple: it must name
     exactly edgeinfer.kv_types' types, in the same order."""
-    from edgeinfer.engine.options import KV_TYPES, KVType
+    from edgeinfer.engine.core.options import KV_TYPES, KVType
 
     assert typing.get_args(KVType) == KV_TYPE_NAMES == KV_TYPES
 

@@ -15,7 +15,7 @@ import pytest
 from test_rejection_sampling import llama_chain_distribution
 
 import edgeinfer
-from edgeinfer.engine.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
+from edgeinfer.engine.core.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
 
 
 def test_auto_takes_a_draft_model() -> None:

@@ -9,8 +9,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from edgeinfer.engine.options import SamplingOptions
-from edgeinfer.engine.sampler import TokenDistribution, sampling_distribution, verify_sampled_draft
+from edgeinfer.engine.core.options import SamplingOptions
+from edgeinfer.engine.core.sampler import TokenDistribution, sampling_distribution, verify_sampled_draft
 from edgeinfer.llama_backend import backend
 
 

@@ -30,9 +30,9 @@ import pytest
 
 import edgeinfer
 from edgeinfer import GenerateOptions, InvalidOptionError, SamplingOptions
-from edgeinfer.engine.grammar import Grammar, check_gbnf
-from edgeinfer.engine.json_schema import MAX_SCHEMA_BYTES, json_schema_to_grammar
-from edgeinfer.engine.sampler import LLAMA_DEFAULT_SEED, Sampler, llama_seed
+from edgeinfer.engine.structured.grammar import Grammar, check_gbnf
+from edgeinfer.engine.structured.json_schema import MAX_SCHEMA_BYTES, json_schema_to_grammar
+from edgeinfer.engine.core.sampler import LLAMA_DEFAULT_SEED, Sampler, llama_seed
 
 P_MIN = 1e-3  # χ² p-value below which a fit is rejected (each test has a case that must fail it)
 
@@ -114,7 +114,7 @@ def test_seed_mixing(monkeypatch):
     assert all(0 <= m < LLAMA_DEFAULT_SEED for m in mixed)
     assert llama_seed(42) == llama_seed(42)
     # A seed whose hash lands on llama.cpp's "random" value is moved off it.
-    import edgeinfer.engine.sampler as sampler_module
+    import edgeinfer.engine.core.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "_seed_digest", lambda seed: b"\xff" * 16)
     assert llama_seed(7) == LLAMA_DEFAULT_SEED - 1
@@ -213,8 +213,8 @@ def engine(f16_path):
 @pytest.fixture(scope="module")
 def runtime(f16_path):
     """A llama.cpp context on the same file, for Samplers fed logits rows as arrays."""
-    from edgeinfer.engine.llama import LlamaRuntime
-    from edgeinfer.engine.options import LoadOptions
+    from edgeinfer.engine.llama.runtime import LlamaRuntime
+    from edgeinfer.engine.core.options import LoadOptions
 
     rt = LlamaRuntime(f16_path, LoadOptions(n_ctx=64, n_threads=1).validate())
     yield rt
@@ -529,7 +529,7 @@ def test_constrained_distribution_for_every_option(runtime, row, o):
 def test_rejection_rule_under_a_grammar(runtime, engine, row):
     """Speculative sampling with constrained p (the target's sampler) and constrained q (a fork on a
     draft's row): every token is distributed as p, and a token the grammar forbids is never kept."""
-    from edgeinfer.engine.sampler import verify_sampled_draft
+    from edgeinfer.engine.core.sampler import verify_sampled_draft
 
     o = SamplingOptions(temperature=1.0, top_k=0, top_p=0.95, min_p=0.02)
     g = Grammar("root ::= [a-km-xz ]+")

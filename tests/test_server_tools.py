@@ -3,7 +3,7 @@ types (400s for malformed ones), the response shapes (message.tool_calls, finish
 "tool_calls", streamed OpenAI tool-call deltas), the real `openai` client against a server on the
 default model's F16 copy, and tool round trips on the real Qwen2.5-Coder-1.5B (tests marked real).
 
-The engine faces take `tools=` in `chat_tokens` once the lead wires them (see engine/tools.py):
+The engine faces take `tools=` in `chat_tokens` once the lead wires them (see engine/chat/tools.py):
 until then the tests that offer tools to a running server fail with a 500."""
 
 from __future__ import annotations

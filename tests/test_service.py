@@ -349,7 +349,7 @@ def test_real_engines_stop_cancels_a_running_request(store):
 def test_a_model_whose_engine_died_is_loaded_again(store, monkeypatch):
     """A BatchEngine whose scheduler thread died says so (`failure`); the next request for its model
     gets a new engine instead of an error from the dead one."""
-    from edgeinfer.engine.scheduler import Scheduler
+    from edgeinfer.engine.core.scheduler import Scheduler
 
     with ModelService(ServiceOptions(defaults=ModelSettings(parallel=1, ctx=512, threads=1)), store=store) as service:
         with service.acquire(F16) as lease:

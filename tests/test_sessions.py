@@ -22,13 +22,13 @@ import pytest
 from greedy_compare import assert_same_or_near_tie
 
 import edgeinfer
-from edgeinfer.engine.sequence import common_prefix
-from edgeinfer.engine.session import MAX_TRAILER, TRAILER_MAGIC, read_trailer
+from edgeinfer.engine.core.sequence import common_prefix
+from edgeinfer.engine.state.session import MAX_TRAILER, TRAILER_MAGIC, read_trailer
 
 pytestmark = pytest.mark.slow
 
 GREEDY = edgeinfer.GenerateOptions(max_tokens=24, sampling=edgeinfer.SamplingOptions(temperature=0.0))
-LOGGER = "edgeinfer.engine.session"
+LOGGER = "edgeinfer.engine.state.session"
 
 
 def _notes() -> str:

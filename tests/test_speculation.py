@@ -161,7 +161,7 @@ def test_a_draft_model_catches_up_within_its_first_draft_decode(f16_engine, plai
     """After a step that accepted its whole draft, the draft model is behind by its last drafted
     token and the target's bonus token: both enter with its next draft decode, so each drafted
     token costs one draft decode (none is spent only on catching up), and output stays plain's."""
-    from edgeinfer.engine.llama import LlamaRuntime
+    from edgeinfer.engine.llama.runtime import LlamaRuntime
 
     spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=4,
                               p_min=0.0)

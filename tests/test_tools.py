@@ -1,4 +1,4 @@
-"""Tool calls (engine/tools.py) and chat rendering with tools (engine/chat.py): every call format
+"""Tool calls (engine/chat/tools.py) and chat rendering with tools (engine/chat/template.py): every call format
 parsed whole and streamed split at every boundary, malformed calls, the grammars, real templates
 rendering tools, and special-token text in user content tokenized as text."""
 
@@ -12,9 +12,9 @@ import pytest
 from chat_templates import GEMMA2, LLAMA32, MISTRAL_NEMO, QWEN25
 
 import edgeinfer
-from edgeinfer.engine.chat import CHATML_TEMPLATE, ChatVocab, chat_tokens, render_chat, template_supports_tools
+from edgeinfer.engine.chat.template import CHATML_TEMPLATE, ChatVocab, chat_tokens, render_chat, template_supports_tools
 from edgeinfer import DoneEvent, GenerationStats, ScoredTokenEvent, TokenEvent, ToolCall, ToolCallEvent
-from edgeinfer.engine.tools import (
+from edgeinfer.engine.chat.tools import (
     FORMATS,
     ToolCallParser,
     detect_format,

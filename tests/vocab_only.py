@@ -8,7 +8,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from edgeinfer.engine.chat import ChatVocab
+from edgeinfer.engine.chat.template import ChatVocab
 from edgeinfer.llama_backend import backend
 
 __all__ = ["VocabOnly"]

@@ -8,7 +8,7 @@
                        "required": ["city"]}}}
     ]
 
-The file is checked by the library (`edgeinfer.engine.tools.normalize_tools`); a file that does not
+The file is checked by the library (`edgeinfer.engine.chat.tools.normalize_tools`); a file that does not
 parse or check is one line on screen and no tools are offered, never a crash. It is read again when
 it changes, so tools can be edited while the app runs.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import edgeinfer
-from edgeinfer.engine.tools import normalize_tools
+from edgeinfer.engine.chat.tools import normalize_tools
 
 from .chat_store import Message
 

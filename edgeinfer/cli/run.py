@@ -196,7 +196,7 @@ def _constraint(args: argparse.Namespace) -> dict[str, str]:
 
 def _read_text_file(path: str, what: str, errors: str) -> str:
     import edgeinfer
-    from edgeinfer.engine.grammar import MAX_GBNF_BYTES
+    from edgeinfer.engine.structured.grammar import MAX_GBNF_BYTES
 
     try:
         with open(path, "rb") as f:

@@ -68,10 +68,10 @@ from ..errors import (
 )
 from ..kv_types import KV_CACHE_TYPES, flash_attn_for
 from ..llama_backend import backend, log_capture
-from .llama import FLASH_ATTN_TYPE, set_fields
+from .llama.runtime import FLASH_ATTN_TYPE, set_fields
 
 if TYPE_CHECKING:
-    from .llama import LlamaRuntime
+    from .llama.runtime import LlamaRuntime
 
 __all__ = ["EmbedOptions", "EmbeddingResult", "Embedder", "POOLING_TYPES", "DEFAULT_EMBED_CTX"]
 

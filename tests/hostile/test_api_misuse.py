@@ -347,7 +347,7 @@ def test_wrong_load_arguments(default_model_path):
 
 
 def test_assigning_an_undeclared_struct_field_fails_loudly():
-    from edgeinfer.engine.llama import backend, set_fields
+    from edgeinfer.engine.llama.runtime import backend, set_fields
 
     ll = backend()
     params = ll.llama_model_default_params()
@@ -379,8 +379,8 @@ def test_engine_llama_assigns_no_struct_field_directly():
     on a ctypes struct silently accepts a field the struct lacks)."""
     import ast
 
-    import edgeinfer.engine.llama as llama_module
-    import edgeinfer.engine.sampler as sampler_module
+    import edgeinfer.engine.llama.runtime as llama_module
+    import edgeinfer.engine.core.sampler as sampler_module
 
     for module in (llama_module, sampler_module):
         tree = ast.parse(Path(module.__file__).read_text())
@@ -400,7 +400,7 @@ def test_the_child_processes_assign_only_declared_struct_fields():
 
     import edgeinfer.load_probe as probe_module
     import edgeinfer.quantize_child as quantize_module
-    from edgeinfer.engine.llama import backend
+    from edgeinfer.engine.llama.runtime import backend
 
     ll = backend()
     structs = {"mparams": ll.llama_model_params, "cparams": ll.llama_context_params,

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from edgeinfer.engine.chat import CHATML_TEMPLATE, TemplateLimits, render_chat
+from edgeinfer.engine.chat.template import CHATML_TEMPLATE, TemplateLimits, render_chat
 from edgeinfer.errors import ChatTemplateError, EdgeInferError, InvalidOptionError
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -155,7 +155,7 @@ def test_real_model_chat_resumes_after_the_app_restarted(default_model_copy, db_
     from greedy_compare import assert_same_or_near_tie
 
     import edgeinfer
-    from edgeinfer.engine.session import read_trailer
+    from edgeinfer.engine.state.session import read_trailer
     from edgeinfer_tui.app import EdgeInferApp
     from edgeinfer_tui.backend import LibraryBackend
     from edgeinfer_tui.chat_store import ChatStore

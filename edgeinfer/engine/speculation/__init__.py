@@ -1,8 +1,8 @@
 """Speculative decoding: a pure policy and the drafters it steers.
 
-A drafter proposes tokens; the scheduler core (engine/scheduler.py) sizes every request's draft of
+A drafter proposes tokens; the scheduler core (engine/core/scheduler.py) sizes every request's draft of
 a step together, verifies them in one `llama_decode` and keeps those the target itself samples
-(engine/request.py), so output never changes — only speed.
+(engine/core/request.py), so output never changes — only speed.
 
     policy.py       cost model, acceptance model, length policy, the batch's draft plan (pure Python)
     lookup.py       prompt lookup: the n-gram index (pure Python)
@@ -10,14 +10,14 @@ a step together, verifies them in one `llama_decode` and keeps those the target 
     heads.py        drafting heads that read the target's hidden states (MTP layer, EAGLE-3)
     head_models.py  opening a head for a target, after the checks llama.cpp would abort on
     calibration.py  the target's measured decode cost by batch size, kept in the store
-    drafter.py      one request's speculation: its proposals and what it learns
+    request_speculation.py  one request's speculation: its proposals and what it learns
 """
 
 from __future__ import annotations
 
 from .calibration import calibrate_costs, fit_costs, measure_costs
 from .draft_model import DraftContext, ModelDrafter, check_draft_compatible, relative_draft_cost
-from .drafter import Proposal, RequestSpeculation
+from .request_speculation import Proposal, RequestSpeculation
 from .heads import Eagle3Head, HeadContext, HeadDrafter, MtpHead
 from .lookup import LookupMatch, NgramIndex
 from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost, plan_drafts

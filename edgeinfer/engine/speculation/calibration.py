@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from ...errors import ContextLengthError
-from ..llama import DecodeAborted, LlamaRuntime
-from ..sequence import KVSequence
+from ..llama.runtime import DecodeAborted, LlamaRuntime
+from ..core.sequence import KVSequence
 from .policy import CALIBRATION_SIZES, PREFILL_SIZES, CostModel
 
 __all__ = ["calibrate_costs", "measure_costs", "fit_costs", "IdleCalibration", "IDLE_SIZES"]

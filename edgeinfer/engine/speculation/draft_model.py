@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import IncompatibleDraftError
-from ..llama import DecodeRows, LlamaRuntime
-from ..sampler import Sampler, TokenDistribution
-from ..sequence import KVSequence, common_prefix
+from ..llama.runtime import DecodeRows, LlamaRuntime
+from ..core.sampler import Sampler, TokenDistribution
+from ..core.sequence import KVSequence, common_prefix
 from .policy import CostModel, LengthPolicy
 
 __all__ = ["DraftContext", "DraftJob", "ModelDrafter", "check_draft_compatible", "relative_draft_cost", "draft_token"]

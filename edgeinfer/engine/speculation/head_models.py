@@ -10,9 +10,9 @@ from typing import Any
 
 from ...errors import IncompatibleDraftError, InvalidModelError, SpeculationError
 from ...gguf_file import GGUFInfo
-from ..llama import LlamaRuntime, _load_error, log_capture, set_fields
-from ..llama_ext import ext
-from ..options import LoadOptions
+from ..llama.runtime import LlamaRuntime, _load_error, log_capture, set_fields
+from ..llama.heads_api import ext
+from ..core.options import LoadOptions
 from .draft_model import check_draft_compatible
 from .heads import Eagle3Head, MtpHead, eagle3_cost_prior, mtp_cost_prior
 

@@ -30,9 +30,9 @@ import numpy as np
 
 from ...errors import SpeculationError
 from ...gguf_file import GGUFInfo
-from ..llama import DecodeRows, LlamaRuntime, set_fields
-from ..llama_ext import ExtBatch, ext
-from ..sequence import common_prefix
+from ..llama.runtime import DecodeRows, LlamaRuntime, set_fields
+from ..llama.heads_api import ExtBatch, ext
+from ..core.sequence import common_prefix
 from .draft_model import DraftJob, ModelDrafter, draft_token
 from .policy import CostModel, LengthPolicy
 

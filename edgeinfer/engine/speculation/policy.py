@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..options import DEFAULT_SPECULATION, SpeculationOptions
+from ..core.options import DEFAULT_SPECULATION, SpeculationOptions
 
 __all__ = ["CostModel", "AcceptanceModel", "LengthPolicy", "plan_drafts", "CALIBRATION_SIZES", "PREFILL_SIZES",
            "break_even_draft_cost"]

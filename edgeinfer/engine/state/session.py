@@ -17,7 +17,7 @@ Restoring trusts nothing in the file. Every size is bounded before anything is a
 trailer must name this model (by content hash), these cache types and a token count that fits the
 slot, the llama.cpp part must have exactly the size its token count implies for this context's
 layout, its sha256 must match, and then every field llama.cpp will read is checked as llama.cpp
-would want it (edgeinfer/kv_state.py): one stream, cells at positions 0..n-1 of one sequence, the
+would want it (edgeinfer/engine/state/file_format.py): one stream, cells at positions 0..n-1 of one sequence, the
 same layers, types and row sizes as this context's own cache (learned once per context from a
 state of its own). Only then does llama.cpp see the bytes, and it sees exactly the bytes that were
 checked: they are read once into memory and handed over with `llama_state_seq_set_data` (no second
@@ -49,15 +49,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import DiskSpaceError, InvalidOptionError, StoreError
-from ..fsutil import atomic_path, ensure_free_space, sha256_file
-from ..kv_state import GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC, MAX_STREAMS, StateLayout, StateRefused, learn_layout, \
+from ...errors import DiskSpaceError, InvalidOptionError, StoreError
+from ...fsutil import atomic_path, ensure_free_space, sha256_file
+from .file_format import GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC, MAX_STREAMS, StateLayout, StateRefused, learn_layout, \
     parse_state
-from ..llama_backend import backend
+from ...llama_backend import backend
 
 if TYPE_CHECKING:
-    from ..store import ModelManifest, Store
-    from .llama import LlamaRuntime
+    from ...store import ModelManifest, Store
+    from ..llama.runtime import LlamaRuntime
 
 __all__ = [
     "SessionIdentity",
@@ -129,7 +129,7 @@ class RestoreResult:
 
 
 class SequenceLike(Protocol):
-    """What this module needs of a sequence (engine/sequence.py's KVSequence, which calls it)."""
+    """What this module needs of a sequence (engine/core/sequence.py's KVSequence, which calls it)."""
 
     runtime: LlamaRuntime
     seq_id: int
@@ -540,7 +540,7 @@ def conversation_tokens(face: Any, conversation: Sequence[Any] | None) -> list[i
 
 
 def face_identity(face: Any) -> SessionIdentity:
-    """The identity of an engine face's context (Engine, BatchEngine: see edgeinfer/engine/face.py)."""
+    """The identity of an engine face's context (Engine, BatchEngine: see edgeinfer/engine/faces/common.py)."""
     path = Path(face.path)
     arch = face.info.metadata.get("general.architecture")
     return SessionIdentity(

@@ -14,18 +14,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextLengthError, EngineClosedError, GrammarError, InvalidOptionError
-from ..gguf_file import GGUFInfo
-from ..store import ModelManifest, Store
-from .embedding import Embedder, EmbeddingResult, EmbedOptions
-from .tools import ToolSetup, tool_request
-from ..devices import last_placement
-from .chat import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
-from .llama import LlamaRuntime
-from .sampler import Sampler
-from .speculation.head_models import mtp_layers
-from .options import GenerateOptions, LoadOptions
-from .speculation.policy import CostModel
+from ...errors import ContextLengthError, EngineClosedError, GrammarError, InvalidOptionError
+from ...gguf_file import GGUFInfo
+from ...store import ModelManifest, Store
+from ..embedding import Embedder, EmbeddingResult, EmbedOptions
+from ..chat.tools import ToolSetup, tool_request
+from ...devices import last_placement
+from ..chat.template import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
+from ..llama.runtime import LlamaRuntime
+from ..core.sampler import Sampler
+from ..speculation.head_models import mtp_layers
+from ..core.options import GenerateOptions, LoadOptions
+from ..speculation.policy import CostModel
 
 __all__ = ["ModelFace"]
 
@@ -156,14 +156,14 @@ class ModelFace:
 
     def chat_tokens(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The prompt tokens of a conversation, rendered with the model's own chat template (its
-        `tools` variable, or a Hermes-style block where it has none: engine/chat.py)."""
+        `tools` variable, or a Hermes-style block where it has none: engine/chat/template.py)."""
         self._check_open()
         return chat_tokens(self.chat_template, self._messages(messages), self._vocab(), name=self.name, tools=tools)
 
     def tool_setup(self, tools: Any, tool_choice: Any = "auto", parallel_tool_calls: bool = True) -> ToolSetup:
         """What a chat request with `tools` needs on this model: the tools to render, the grammar
         (`required`, a named function, or lazy at the call marker for `auto`) and the parser of the
-        model's own call format (engine/tools.py)."""
+        model's own call format (engine/chat/tools.py)."""
         self._check_open()
         return tool_request(self.chat_template, tools, tool_choice, parallel_tool_calls,
                             tokenize=self._vocab().tokenize)

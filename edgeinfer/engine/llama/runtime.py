@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from ..cpu import ThreadGovernor
-from ..errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError
-from ..kv_types import KV_CACHE_TYPES, flash_attn_for
-from ..llama_backend import backend, log_capture
-from .options import LoadOptions
+from ...cpu import ThreadGovernor
+from ...errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError
+from ...kv_types import KV_CACHE_TYPES, flash_attn_for
+from ...llama_backend import backend, log_capture
+from ..core.options import LoadOptions
 
 # backend and log_capture live in edgeinfer.llama_backend; re-exported for existing callers.
 __all__ = ["LlamaRuntime", "DecodeRows", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields", "FLASH_ATTN_TYPE"]
@@ -146,7 +146,7 @@ class ModelFacts:
 
 
 class LlamaRuntime:
-    """One model, one context, one reusable batch; no per-sequence state (engine/sequence.py).
+    """One model, one context, one reusable batch; no per-sequence state (engine/core/sequence.py).
 
     With n_seq_max > 1 the context holds that many sequences, by default in one unified KV cache:
     any mix of sequences and of rows per sequence decodes as one ubatch, but every row attends over

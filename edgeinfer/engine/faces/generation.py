@@ -15,13 +15,13 @@ import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Literal, Protocol
 
-from ..cancel import CancelToken
-from ..errors import Cancelled, EngineClosedError
-from .events import DoneEvent, Event, SpeculationProgress
-from .options import GenerateOptions, SpeculationOptions
-from .request import RequestState
-from .scheduler import Scheduler
-from .slot import RequestSlot
+from ...cancel import CancelToken
+from ...errors import Cancelled, EngineClosedError
+from ..core.events import DoneEvent, Event, SpeculationProgress
+from ..core.options import GenerateOptions, SpeculationOptions
+from ..core.request import RequestState
+from ..core.scheduler import Scheduler
+from .exclusive import RequestSlot
 
 __all__ = ["Generation", "SpeculationSource", "GenerationState"]
 

@@ -1,6 +1,6 @@
 """Chat prompts rendered with the model's own template (in a sandbox with limits).
 
-The sandbox and its limits: engine/template_sandbox.py.
+The sandbox and its limits: engine/chat/sandbox.py.
 
 Tools (`tools=`, OpenAI's `[{"type": "function", "function": {...}}]`) reach the template as its
 `tools` variable, as Hugging Face's `apply_chat_template(tools=...)` passes them; assistant messages
@@ -37,8 +37,8 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from ..errors import ChatTemplateError, InvalidOptionError
-from .template_sandbox import TemplateLimits, render_template, template_environment, tojson as _tojson
+from ...errors import ChatTemplateError, InvalidOptionError
+from .sandbox import TemplateLimits, render_template, template_environment, tojson as _tojson
 
 __all__ = ["render_chat", "chat_tokens", "ChatVocab", "CHATML_TEMPLATE", "Message", "TemplateLimits",
            "BUILTIN_TEMPLATES", "template_supports_tools", "normalize_messages", "FALLBACK_TOOLS_HEADER"]
@@ -110,7 +110,7 @@ def _normalize_call(call: Any, where: str) -> dict[str, Any]:
 
 
 def _tool_list(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The tools as the template gets them (edgeinfer.engine.tools.normalize_tools checks their
+    """The tools as the template gets them (edgeinfer.engine.chat.tools.normalize_tools checks their
     content; here only the shape a template can iterate)."""
     if tools is None:
         return None

@@ -7,7 +7,7 @@ per layer the K type, row size and rows, and the same for V (transposed without 
 type, element size, rows). `llama_state_seq_get_data` writes the same state after an io magic and
 the sequence id. `parse_state` walks such a state in a buffer, refusing (StateRefused, one line)
 anything that runs past its end or that llama.cpp would choke on, and compares it with the layout
-a context of its own wrote (`learn_layout`); engine/session.py does the rest.
+a context of its own wrote (`learn_layout`); engine/state/session.py does the rest.
 """
 
 from __future__ import annotations

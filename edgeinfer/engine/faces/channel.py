@@ -8,10 +8,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from ..errors import EngineClosedError
-from .events import DoneEvent, Event, GenerationStats
-from .options import GenerateOptions
-from .request import RequestState
+from ...errors import EngineClosedError
+from ..core.events import DoneEvent, Event, GenerationStats
+from ..core.options import GenerateOptions
+from ..core.request import RequestState
 
 __all__ = ["Channel", "BatchGeneration"]
 

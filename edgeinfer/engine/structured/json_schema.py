@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import InvalidOptionError
+from ...errors import InvalidOptionError
 from .grammar import MAX_GBNF_BYTES, Grammar
 
 __all__ = ["json_schema_to_grammar", "SUPPORTED_KEYWORDS", "MAX_SCHEMA_BYTES", "MAX_REPETITIONS"]

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import SpeculationError
-from .llama import DecodeRows, LlamaRuntime
+from ...errors import SpeculationError
+from ..llama.runtime import DecodeRows, LlamaRuntime
 
 if TYPE_CHECKING:
-    from .session import RestoreResult, SessionIdentity, SessionInfo
+    from ..state.session import RestoreResult, SessionIdentity, SessionInfo
 
 __all__ = ["KVSequence", "common_prefix"]
 
@@ -127,13 +127,13 @@ class KVSequence:
         """Record tokens that a shared batch (built with `rows`) has just written."""
         self.cached.extend(tokens)
 
-    # -- saved state (engine/session.py) -----------------------------------------------------------
+    # -- saved state (engine/state/session.py) -----------------------------------------------------------
     def save(self, path: str | os.PathLike[str], identity: SessionIdentity,
              keep: Sequence[int] | None = None) -> SessionInfo:
         """Write this sequence's KV state and tokens to `path` (a temporary name, renamed when
         complete), tied to `identity` (model hash, KV types); `keep`: cut the sequence to the prefix
         it shares with these tokens first. The caller holds the context."""
-        from .session import save_sequence
+        from ..state.session import save_sequence
 
         if keep is not None:  # nothing a continuation of `keep` could not reuse
             self.truncate(common_prefix(self.cached, keep))
@@ -144,6 +144,6 @@ class KVSequence:
         """Replace this sequence with the state saved at `path` when every check passes (else a
         log line and a false result, the sequence unchanged); `cached` is set only on success.
         `conversation`: tokens the saved ones must be a prefix of. The caller holds the context."""
-        from .session import restore_sequence
+        from ..state.session import restore_sequence
 
         return restore_sequence(self, path, identity, conversation)

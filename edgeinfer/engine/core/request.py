@@ -26,9 +26,9 @@ from .sampler import Sampler, TokenDistribution, verify_sampled_draft
 from .text import TextAssembler
 
 if TYPE_CHECKING:
-    from .llama import LlamaRuntime
+    from ..llama.runtime import LlamaRuntime
     from .sequence import KVSequence
-    from .speculation.drafter import RequestSpeculation
+    from ..speculation.request_speculation import RequestSpeculation
 
 __all__ = ["RequestState", "EventSink"]
 

@@ -2,12 +2,12 @@
 One request with tools goes through three steps, all prepared by `tool_request`:
 
 1. The prompt: the tools are rendered by the model's chat template (`chat_tokens(..., tools=...)`;
-   a template without tools support gets edgeinfer's Hermes-style fallback, see engine/chat.py).
+   a template without tools support gets edgeinfer's Hermes-style fallback, see engine/chat/template.py).
    `tool_choice="none"` renders no tools, so the model is not offered any and nothing is parsed.
 2. Sampling: `tool_choice="required"` or a named function is a grammar from the first token (a call
    of one of the tools, or of the named one, must come first); `"auto"` a *lazy* grammar that starts
    constraining where the model writes the format's call marker. Either way a call's arguments
-   always parse and match the function's JSON schema (engine/grammar.py's compiler; in `auto`, a
+   always parse and match the function's JSON schema (engine/structured/grammar.py's compiler; in `auto`, a
    function whose schema that compiler refuses gets any JSON object instead, in `required` the
    request is refused naming the keyword). `parallel_tool_calls=False` makes the grammar stop after
    one call.
@@ -16,7 +16,7 @@ One request with tools goes through three steps, all prepared by `tool_request`:
    text that may be the start of a call marker, and ends with a DoneEvent whose `tool_calls` are the
    complete calls, `text` the content and `finish_reason` "tool_calls" when calls were made.
 
-The call formats and their parser: engine/tool_parser.py.
+The call formats and their parser: engine/chat/tool_parser.py.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..errors import InvalidOptionError
-from .events import DoneEvent, Event
-from .grammar import Grammar
-from .json_schema import json_schema_to_grammar
-from .options import GenerateOptions
+from ...errors import InvalidOptionError
+from ..core.events import DoneEvent, Event
+from ..structured.grammar import Grammar
+from ..structured.json_schema import json_schema_to_grammar
+from ..core.options import GenerateOptions
 from .tool_parser import (
     FORMATS,
     HERMES,

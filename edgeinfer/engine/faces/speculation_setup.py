@@ -22,17 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cancel import CancelToken, is_cancelled, raise_if_cancelled
-from ..errors import Cancelled, EngineClosedError, SpeculationError
-from ..gguf_file import GGUFInfo
-from ..store import ModelManifest, Store
-from ..validate import admit
-from .events import SpeculationProgress
-from .llama import LlamaRuntime
-from .options import LoadOptions, SpeculationOptions
-from .speculation.draft_model import DraftContext, check_draft_compatible
-from .speculation.head_models import auto_head_key, open_eagle3_head, open_mtp_head
-from .speculation.heads import ROLLBACK_DEPTH, HeadContext
+from ...cancel import CancelToken, is_cancelled, raise_if_cancelled
+from ...errors import Cancelled, EngineClosedError, SpeculationError
+from ...gguf_file import GGUFInfo
+from ...store import ModelManifest, Store
+from ...validate import admit
+from ..core.events import SpeculationProgress
+from ..llama.runtime import LlamaRuntime
+from ..core.options import LoadOptions, SpeculationOptions
+from ..speculation.draft_model import DraftContext, check_draft_compatible
+from ..speculation.head_models import auto_head_key, open_eagle3_head, open_mtp_head
+from ..speculation.heads import ROLLBACK_DEPTH, HeadContext
 
 __all__ = ["DraftModels", "TargetModel", "ProgressCallback", "draft_key", "Exclusive"]
 
@@ -208,7 +208,7 @@ class DraftModels:
             for m in store.list():
                 if m.derived_from in (t.manifest.ref, str(t.path)) and (m.quant or "").upper() == quant:
                     return Path(m.file)
-        from ..quantize import QuantizeProgress, quantize_model
+        from ...quantize import QuantizeProgress, quantize_model
 
         what = f"making the {quant} self-draft of {t.name}"
         log.info("%s (first use; it is kept in the store)", what)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpeculationError
-from ..llama_backend import backend
-from .llama import require_fields
+from ...errors import SpeculationError
+from ...llama_backend import backend
+from .runtime import require_fields
 
 __all__ = ["HeadAPI", "ext", "ExtBatch", "PINNED_BINDING"]
 

@@ -19,7 +19,7 @@ with `accept(token)` before the next row's distribution is asked for. Sample-and
 samples rows in order and every sampled token is committed, so the state never rolls back.
 `fork()` is an independent copy (llama_sampler_clone) that a draft model advances along its own
 drafts and then throws away. Why grammar-constrained sampling stays lossless with speculation:
-see engine/grammar.py.
+see engine/structured/grammar.py.
 
 Seeds. A request's seed (any int64, see SamplingOptions) is mixed by BLAKE2b into the 32-bit seed of
 llama.cpp's dist sampler (`llama_seed`; never 0xFFFFFFFF, llama.cpp's "random" value) and into the
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidOptionError
-from ..llama_backend import backend
-from .grammar import Grammar, _new_sampler
-from .llama import LlamaRuntime, set_fields
+from ...errors import InvalidOptionError
+from ...llama_backend import backend
+from ..structured.grammar import Grammar, _new_sampler
+from ..llama.runtime import LlamaRuntime, set_fields
 from .options import GenerateOptions, SamplingOptions
 
 __all__ = ["Sampler", "TokenDistribution", "sampling_distribution", "verify_sampled_draft", "llama_seed",

@@ -12,10 +12,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..events import SpeculationStats
-from ..options import SpeculationOptions
-from ..sampler import Sampler
-from ..sequence import KVSequence
+from ..core.events import SpeculationStats
+from ..core.options import SpeculationOptions
+from ..core.sampler import Sampler
+from ..core.sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
 from .heads import HeadContext, HeadDrafter
 from .lookup import LookupMatch, NgramIndex

@@ -34,7 +34,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolCallEvent:
-    """A piece of the tool call number `index` of this reply (engine/tools.py parses them out of the
+    """A piece of the tool call number `index` of this reply (engine/chat/tools.py parses them out of the
     text): the first event of a call has `arguments == ""`, later ones each carry the next piece of
     the arguments' JSON text (OpenAI's streamed `tool_calls[i].function.arguments` chunks), and the
     last one also the whole `call`."""

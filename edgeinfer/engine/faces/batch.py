@@ -1,7 +1,7 @@
 """BatchEngine: the serving face of the scheduler core — N slots, one scheduler thread.
 
 One context holds N sequences (one unified KV cache, each slot limited to n_ctx / N positions as
-llama-server's -c / -np split it). A scheduler thread steps the core (engine/scheduler.py): each
+llama-server's -c / -np split it). A scheduler thread steps the core (engine/core/scheduler.py): each
 step is ONE `llama_decode` holding every running request's next token and drafts and the prompt
 chunks of those starting. Any number of threads submit requests with `submit()` / `generate()` /
 `chat()` and read their events from the returned `BatchGeneration`, an iterator like
@@ -33,26 +33,26 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextLengthError, EdgeInferError, EngineBusyError, EngineClosedError, InvalidOptionError
-from ..gguf_file import GGUFInfo
-from ..store import ModelManifest, Store
-from ..validate import admit
+from ...errors import ContextLengthError, EdgeInferError, EngineBusyError, EngineClosedError, InvalidOptionError
+from ...gguf_file import GGUFInfo
+from ...store import ModelManifest, Store
+from ...validate import admit
 from .channel import BatchGeneration, Channel
-from .chat import Message
-from .drafts import DraftModels, ProgressCallback, TargetModel, draft_key
-from .events import ScoredTokenEvent
-from .face import ModelFace
-from .flash_choice import with_measured_flash_attn
-from .llama import LlamaRuntime
-from .options import GenerateOptions, LoadOptions, SpeculationOptions
-from .request import RequestState
-from .scheduler import Scheduler
-from .sequence import KVSequence
-from .session import RestoreResult, SessionInfo, conversation_tokens, face_identity
-from .tools import ToolGeneration
-from .speculation.calibration import IdleCalibration
-from .speculation.head_models import mtp_layers
-from .speculation.policy import CostModel, plan_drafts
+from ..chat.template import Message
+from .speculation_setup import DraftModels, ProgressCallback, TargetModel, draft_key
+from ..core.events import ScoredTokenEvent
+from .common import ModelFace
+from ..llama.flash_choice import with_measured_flash_attn
+from ..llama.runtime import LlamaRuntime
+from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
+from ..core.request import RequestState
+from ..core.scheduler import Scheduler
+from ..core.sequence import KVSequence
+from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
+from ..chat.tools import ToolGeneration
+from ..speculation.calibration import IdleCalibration
+from ..speculation.head_models import mtp_layers
+from ..speculation.policy import CostModel, plan_drafts
 
 __all__ = [
     "BatchEngine",
@@ -74,11 +74,11 @@ class BatchOptions:
     parallel: int = 4  # slots = sequences decoded together; the context is split between them
     # One KV cache for every slot (llama-server's -kvu): any mix of rows decodes as one ubatch, but
     # each row attends over every slot's cells. False: a stream per slot, as llama-server's -np N
-    # (engine/llama.py says what each costs). A model with MTP layers keeps one cache.
+    # (engine/llama/runtime.py says what each costs). A model with MTP layers keeps one cache.
     kv_unified: bool = False
     max_backlog: int = 256  # unread events after which a request pauses (a slow reader)
     # Most prompt rows a step takes while other requests decode; None: the cost curve's knee (see
-    # engine/scheduler.py). Nothing decoding: waiting prompts fill the whole ubatch either way.
+    # engine/core/scheduler.py). Nothing decoding: waiting prompts fill the whole ubatch either way.
     prefill_chunk: int | None = None
     # While prompts are read, the longest a request already decoding waits for its next token, in
     # seconds (0: it takes every step). Each step it takes costs a ubatch of its own beside the
@@ -381,7 +381,7 @@ class BatchEngine(ModelFace):
         out = {int(k): v for k, v in costs.to_dict().items() if k.isdigit()}
         return out if len(out) > 1 else {}
 
-    # -- saved slots (engine/session.py) ---------------------------------------------------------
+    # -- saved slots (engine/state/session.py) ---------------------------------------------------------
     def save_slot(self, slot: int, path: str | os.PathLike[str],
                   conversation: Sequence[Message] | Sequence[int] | None = None) -> SessionInfo:
         """Save slot `slot`'s KV cache to `path` (as Engine.save_session), on the scheduler thread

@@ -43,17 +43,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import EdgeInferError
+from ...errors import EdgeInferError
 from .events import SpeculationStats
-from .llama import DecodeAborted, DecodeRows, LlamaRuntime, ubatch_rows
+from ..llama.runtime import DecodeAborted, DecodeRows, LlamaRuntime, ubatch_rows
 from .options import SpeculationOptions
 from .request import RequestState
 from .sampler import Sampler
 from .sequence import KVSequence, common_prefix
-from .speculation.draft_model import DraftContext
-from .speculation.drafter import Proposal, RequestSpeculation
-from .speculation.heads import HeadContext
-from .speculation.policy import CostModel, plan_drafts
+from ..speculation.draft_model import DraftContext
+from ..speculation.request_speculation import Proposal, RequestSpeculation
+from ..speculation.heads import HeadContext
+from ..speculation.policy import CostModel, plan_drafts
 
 __all__ = ["Scheduler", "Slot", "StepCounters"]
 

@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..errors import InvalidOptionError
-from .grammar import Grammar
-from .json_schema import json_schema_to_grammar
-from ..cpu import usable_cores
-from ..llama_backend import env_threads, max_threads, threads_out_of_range
-from ..kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
+from ...errors import InvalidOptionError
+from ..structured.grammar import Grammar
+from ..structured.json_schema import json_schema_to_grammar
+from ...cpu import usable_cores
+from ...llama_backend import env_threads, max_threads, threads_out_of_range
+from ...kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
 
 __all__ = [
     "KVType",
@@ -67,7 +67,7 @@ class LoadOptions:
     n_threads: int | None = None  # None: EDGEINFER_THREADS, else the cores others leave free (edgeinfer.cpu)
     n_batch: int = 512
     kv_type: str = "f16"  # type of both K and V caches (edgeinfer.kv_types.KV_TYPE_NAMES)
-    # None: an Engine takes the store's measured verdict (engine/flash_choice.py), else llama.cpp's
+    # None: an Engine takes the store's measured verdict (engine/llama/flash_choice.py), else llama.cpp's
     # choice (on for the CPU); on whenever the V cache is quantized (llama.cpp needs it there)
     flash_attn: bool | None = None
     kv_type_k: str | None = None  # K cache type; None: kv_type
@@ -93,7 +93,7 @@ class LoadOptions:
         """The llama_model_params fields that place a load of `path` (n_gpu_layers, devices,
         tensor_split; edgeinfer.fit.load_placement: probes RPC workers and refuses what a device
         cannot hold, before any weight moves)."""
-        from ..fit import load_placement
+        from ...fit import load_placement
 
         return load_placement(ll, path, self)
 
@@ -120,7 +120,7 @@ class LoadOptions:
                 _instance("", name, getattr(self, name), str, "a string or None")
         kv_cache_type(self.kv_type)
         flash_attn_for(*self.kv_types, self.flash_attn)  # unknown types; quantized V with flash attention off
-        from ..devices import check_placement
+        from ...devices import check_placement
 
         check_placement(self.n_gpu_layers, self.rpc, self.tensor_split, self.draft_gpu_layers)
         return self
@@ -269,7 +269,7 @@ class GenerateOptions:
     """One request: how many tokens, when to stop, how to sample, whether to speculate.
 
     grammar (a Grammar, or GBNF text) or json_schema (a mapping or JSON text; at most one of the
-    two) constrains the output (engine/grammar.py); `resolved_grammar()` is the Grammar in effect.
+    two) constrains the output (engine/structured/grammar.py); `resolved_grammar()` is the Grammar in effect.
     """
 
     max_tokens: int = 512

@@ -6,7 +6,7 @@ against all the output so far; the grammar is fed the output from the pattern's 
 on) or a `trigger_tokens` token is sampled (fed from that token on) — how a tool call is forced once
 it starts. `json_schema.json_schema_to_grammar` compiles a JSON schema into a Grammar.
 
-The sampler (engine/sampler.py) applies the grammar first, before penalties and the top-k →
+The sampler (engine/core/sampler.py) applies the grammar first, before penalties and the top-k →
 top-p → min-p → temperature chain, as llama.cpp orders it: every token the grammar forbids gets
 probability 0, and every other transform sees only what the grammar allows.
 
@@ -39,8 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidOptionError
-from ..llama_backend import backend, log_capture
+from ...errors import InvalidOptionError
+from ...llama_backend import backend, log_capture
 
 __all__ = ["Grammar", "check_gbnf", "MAX_GBNF_BYTES"]
 

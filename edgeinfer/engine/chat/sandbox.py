@@ -30,7 +30,7 @@ import jinja2
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import ChatTemplateError, InvalidOptionError
+from ...errors import ChatTemplateError, InvalidOptionError
 
 __all__ = ["TemplateLimits", "render_template", "template_environment", "tojson"]
 

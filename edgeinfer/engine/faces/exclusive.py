@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from ..errors import EngineBusyError, EngineClosedError
-from .llama import LlamaRuntime
+from ...errors import EngineBusyError, EngineClosedError
+from ..llama.runtime import LlamaRuntime
 
 __all__ = ["RequestSlot", "Closable"]
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidModelError, InvalidOptionError
-from ..kv_types import KV_CACHE_TYPES
-from ..llama_backend import backend
-from .llama import FLASH_ATTN_TYPE, LlamaRuntime, set_fields
-from .options import LoadOptions
+from ...errors import InvalidModelError, InvalidOptionError
+from ...kv_types import KV_CACHE_TYPES
+from ...llama_backend import backend
+from .runtime import FLASH_ATTN_TYPE, LlamaRuntime, set_fields
+from ..core.options import LoadOptions
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ...store import Store
 
 __all__ = ["FlashAttnChoice", "measure_flash_attn", "with_measured_flash_attn", "remember_flash_attn",
            "verdict_key", "TURN_TOKENS", "MARGIN"]

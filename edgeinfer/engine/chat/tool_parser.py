@@ -33,9 +33,9 @@ import string
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from .chat import template_supports_tools
+from .template import template_supports_tools
 from .json_scan import JsonScan
-from .events import DoneEvent, Event, TokenEvent, ToolCall, ToolCallEvent
+from ..core.events import DoneEvent, Event, TokenEvent, ToolCall, ToolCallEvent
 
 __all__ = ["ToolFormat", "FORMATS", "HERMES", "LLAMA3", "MISTRAL", "MISTRAL_ARGS", "ToolCallParser", "detect_format",
            "new_call_id", "NAME"]

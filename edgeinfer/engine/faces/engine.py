@@ -1,0 +1,334 @@
+"""Engine and load(): the one-user face of the scheduler core (one slot, stepped inline from the
+caller's own `next()`, no thread hop between a token and its reader)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...cancel import CancelToken
+from ...errors import ContextLengthError, InvalidOptionError
+from ...gguf_file import GGUFInfo
+from ...store import ModelManifest, Store
+from ...validate import admit
+from ..chat.template import Message
+from .speculation_setup import DraftModels, ProgressCallback, TargetModel
+from .common import ModelFace
+from ..llama.flash_choice import FlashAttnChoice, measure_flash_attn, remember_flash_attn, with_measured_flash_attn
+from .generation import Generation
+from ..llama.runtime import LlamaRuntime
+from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
+from ..core.scheduler import Scheduler
+from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
+from .exclusive import RequestSlot
+from ..chat.tools import ToolGeneration
+from ..speculation import CostModel, measure_costs
+from ..speculation.head_models import mtp_layers
+
+__all__ = ["Engine", "Generation", "load"]
+
+log = logging.getLogger(__name__)
+
+
+def load(
+    model: str | Path | None = None,
+    options: LoadOptions | None = None,
+    *,
+    store: Store | None = None,
+    speculation: SpeculationOptions | str | None = None,
+    progress: ProgressCallback | None = None,
+    **load_options: Any,
+) -> Engine:
+    """Load a model by store name (`name:tag`), `.gguf` path, or None for the default model.
+
+    Keyword arguments are LoadOptions fields (n_ctx, n_threads, n_batch, kv_type, kv_type_k, kv_type_v,
+    flash_attn).
+    The file is validated by edgeinfer's own GGUF reader before llama.cpp sees it. With
+    `speculation` (SpeculationOptions or the CLI form, e.g. "self=Q4_K_M"), its draft model is
+    prepared too (see Engine.prepare_speculation), reporting to `progress`.
+    """
+    known = {f.name for f in fields(LoadOptions)}
+    unknown = set(load_options) - known
+    if unknown:
+        raise InvalidOptionError(f"unknown load option(s): {', '.join(sorted(unknown))}")
+    if options is not None and not isinstance(options, LoadOptions):
+        raise InvalidOptionError(f"options must be LoadOptions, got {type(options).__name__}")
+    if model is not None and not isinstance(model, (str, Path)):
+        raise InvalidOptionError(f"model must be a store name or a path, got {type(model).__name__}")
+    options = replace(options or LoadOptions(), **load_options).validate()
+    store = store or Store()
+    path, manifest = store.resolve(model)
+    info = admit(path, store, manifest)  # validated; a never-seen file first loads in a child process
+    engine = Engine(path, info, options, manifest=manifest, store=store)
+    if speculation is not None:
+        try:
+            engine.prepare_speculation(speculation, progress=progress)
+        except BaseException:
+            engine.close()
+            raise
+    return engine
+
+
+def _speculation_options(spec: SpeculationOptions | str) -> SpeculationOptions:
+    if isinstance(spec, str):
+        return SpeculationOptions.parse(spec)
+    if not isinstance(spec, SpeculationOptions):
+        raise InvalidOptionError(f"speculation must be SpeculationOptions or a string like 'lookup', "
+                                 f"got {type(spec).__name__}")
+    return spec.validate()
+
+
+class _EngineSpeculation:
+    """The engine's side of speculation as a generation sees it (generation.SpeculationSource)."""
+
+    def __init__(self, runtime: LlamaRuntime, drafts: DraftModels, slot: RequestSlot, scheduler: Scheduler):
+        self.runtime = runtime
+        self.drafts = drafts
+        self.slot = slot
+        self.scheduler = scheduler
+
+    def is_ready(self, spec: SpeculationOptions) -> bool:
+        return self.drafts.is_ready(spec)
+
+    def prepare(self, spec: SpeculationOptions, progress: ProgressCallback | None, cancel: CancelToken) -> None:
+        if not self.is_ready(spec):
+            self.drafts.prepare(spec, progress, cancel, exclusive=self._exclusive)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The context to itself (a head links to it; a hybrid model's is made again: then empty)."""
+        with self.slot.hold():
+            epoch = self.runtime.epoch
+            try:
+                yield
+            finally:
+                if self.runtime.epoch != epoch:
+                    for s in self.scheduler.slots:
+                        s.seq.forget()
+
+
+class Engine(ModelFace):
+    """A model loaded in llama.cpp with one context and one slot of the scheduler core.
+
+    Thread safety: requests are serialized. A generation takes the engine's lock when it starts
+    running and releases it when it ends, so two threads can share an engine safely — the second
+    request waits for the first (and can be cancelled while it waits). For parallel requests, use
+    a BatchEngine (the same core with N slots, stepped by a thread).
+
+    Misuse is an error, never a crash or a hang: calls after `close()` raise EngineClosedError,
+    token ids are range-checked, a generation that is dropped or closed frees the engine at once,
+    and a request from a thread whose own earlier generation is unfinished raises EngineBusyError.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        info: GGUFInfo,
+        options: LoadOptions,
+        *,
+        manifest: ModelManifest | None = None,
+        store: Store | None = None,
+    ):
+        self.path = Path(path)
+        self.info = info
+        self.manifest = manifest
+        self.store = store or Store()
+        # flash attention left to us: on or off as `measure_flash_attn` found faster here (flash_choice)
+        self.options = options = with_measured_flash_attn(self.path, options, self.store)
+        self._closed = False
+        self._runtime = LlamaRuntime(self.path, options, load_mtp=mtp_layers(info) > 0)
+        self._note_placement()
+        self._slot = RequestSlot(self._runtime)
+        self._drafts = DraftModels(TargetModel(self.name, self.path, info, manifest, self.store, options),
+                                   self._runtime)
+        self._scheduler = Scheduler(self._runtime, 1, self._stored_costs(), drafts=self._drafts.context,
+                                    abortable=True, heads=self._drafts.heads)
+        self._speculation = _EngineSpeculation(self._runtime, self._drafts, self._slot, self._scheduler)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- requests --------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None) -> Generation:
+        """Raw completion of a prompt (text, or token ids used as they are)."""
+        self._check_open()
+        return self._start(self._prompt_ids(prompt), options)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        options: GenerateOptions | None = None,
+        *,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
+    ) -> Generation | ToolGeneration:
+        """Continue a conversation ([{"role": "user", "content": ...}, ...]) as the assistant.
+
+        `tools` (OpenAI's function tools): the model may call them; its calls, in its own format,
+        arrive as ToolCallEvent and in `done.tool_calls` (finish reason "tool_calls").
+        `tool_choice`: "auto", "none", "required" or {"type": "function", "function": {"name": ...}};
+        the last two are enforced by a grammar, so the arguments always match the function's schema."""
+        self._check_open()
+        msgs = self._messages(messages)
+        if system is not None and not isinstance(system, str):
+            raise InvalidOptionError(f"system must be a string, got {type(system).__name__}")
+        if system is not None and not (msgs and msgs[0].get("role") == "system"):
+            msgs.insert(0, {"role": "system", "content": system})
+        return self._with_tools(msgs, options, tools, tool_choice, parallel_tool_calls, self._start)
+
+    def prepare_speculation(
+        self,
+        speculation: SpeculationOptions | str,
+        *,
+        progress: ProgressCallback | None = None,
+        cancel: CancelToken = None,
+    ) -> None:
+        """Make the draft model a speculation needs ready before generating with it.
+
+        `speculation` is SpeculationOptions or the CLI form ("lookup", "draft=MODEL",
+        "self=Q4_K_M", "mtp", "eagle3=MODEL"). A self-draft is taken from the store or, on first
+        use, made by the quantizer and registered (seconds to minutes); a draft model is validated,
+        loaded and checked against this model's vocabulary; a head (mtp: the model's own MTP layer;
+        eagle3: an EAGLE-3 drafter for it) is linked to the model's context, and a hybrid model
+        (Qwen3.5) first gets rollback snapshots, which empties its cache. `progress` receives
+        SpeculationProgress events (stage "quantize" with done/total tensors, "load", "ready") from
+        the working thread;
+        `cancel` (an Event or a callable) stops it between tensors with `Cancelled`. Returns at
+        once when there is nothing to prepare (off, lookup, auto without a draft model, or
+        already prepared). A generation whose speculation was not prepared prepares it itself,
+        yielding the same events before its first token. Safe to call from any thread.
+        """
+        self._check_open()
+        self._speculation.prepare(_speculation_options(speculation), progress, cancel)
+
+    def _start(self, tokens: list[int], options: GenerateOptions | None) -> Generation:
+        options = self.check_request(tokens, options)
+        speculation = None if options.speculation.method == "off" else self._speculation
+        return Generation(self._slot, self._scheduler, tokens, options, speculation)
+
+    # -- the cost curve --------------------------------------------------------------------------
+    def measure_decode_costs(self, tokens: Sequence[int], *, depths: Sequence[int] = (64, 1024), reps: int = 3,
+                             save: bool = True) -> CostModel:
+        """Measure the batch cost curve at two context depths (what speculation's policy plans
+        with) and use it from now on; `save` keeps it in the store for this model, thread count
+        and KV type. Clears the cache. `tokens`: any text's tokens to fill the context with."""
+        with self._slot.hold():
+            costs = measure_costs(self._scheduler.slots[0].seq, tokens, depths, reps)
+            self._scheduler.costs = costs
+        if save:
+            self.save_decode_costs()
+        return costs
+
+    def measure_flash_attn(self, tokens: Sequence[int], *, steps: int = 8, save: bool = True) -> FlashAttnChoice:
+        """Time a prefill of `tokens` (any text's, as many as the context depth to judge at) and
+        one-token decodes after it with flash attention on and off, on scratch contexts beside
+        this one (see engine/llama/flash_choice.py). `save` keeps the verdict in the store: later loads
+        of this model with these threads and KV types that leave `flash_attn` unset use it.
+        Waits for a running generation."""
+        self._check_open()
+        with self._slot.hold():
+            choice = measure_flash_attn(self._runtime, tokens, steps)
+        log.info("%s: %s", self.name, choice.summary())
+        if save:
+            remember_flash_attn(self.path, self.options, self.store, choice)
+        return choice
+
+    def save_decode_costs(self) -> None:
+        """Keep the measured cost curve in the store (a prior is never kept: it is no fact)."""
+        self._remember_costs(self._scheduler.costs)
+
+    def reset(self) -> None:
+        """Forget the cached prompt, so the next request starts from an empty KV cache (a request
+        normally re-uses the longest prefix it shares with the previous one)."""
+        self._check_open()
+        with self._slot.hold():
+            self._scheduler.slots[0].seq.clear()
+
+    # -- saved conversations (engine/state/session.py) -------------------------------------------------
+    def save_session(self, path: str | os.PathLike[str],
+                     conversation: Sequence[Message] | Sequence[int] | None = None) -> SessionInfo:
+        """Save what the KV cache holds (its tokens and their keys and values) to `path`, so that an
+        engine on the same model file and KV-cache types can go on without reading them again
+        (`restore_session`, e.g. after the app restarted). `conversation`: the messages (as given
+        to `chat`) or token ids the state is for; the cache is first cut to the prefix it shares
+        with them, which is what their next turn reuses. Waits for a running generation; a file
+        that already holds exactly this state is kept (SessionInfo.written False). Raises
+        StoreError / DiskSpaceError when the file cannot be written."""
+        self._check_open()
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)  # the model's hash: outside the lock (the first one reads the file)
+        with self._slot.hold():
+            return self._scheduler.slots[0].seq.save(path, identity, keep)
+
+    def restore_session(self, path: str | os.PathLike[str],
+                        conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:
+        """Load the KV state saved at `path`, if it was saved with this model file and these KV-cache
+        types and every check of the file passes; the next request then reads only what follows
+        the saved tokens. `conversation`: the messages or token ids being resumed, which the saved
+        tokens must begin. A state that does not match, or a damaged file, is not loaded: one
+        warning in the log and a false RestoreResult saying why (the cache is left as it was).
+        Waits for a running generation."""
+        self._check_open()
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)
+        with self._slot.hold():
+            return self._scheduler.slots[0].seq.load(path, identity, keep)
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def logits(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:
+        """Logits (float32, [len(tokens) - start, n_vocab]) from a fresh KV cache: row i is the
+        distribution of the token that follows tokens[start + i]. Fed in n_batch-sized decodes."""
+        self._check_open()
+        tokens = self._token_ids(tokens)
+        if not isinstance(start, int) or not 0 <= start < len(tokens):
+            raise InvalidOptionError(f"start must be in [0, {len(tokens)}), got {start}")
+        if len(tokens) > self.n_ctx:
+            raise ContextLengthError(f"{len(tokens)} tokens do not fit in the context ({self.n_ctx})")
+        out = np.empty((len(tokens) - start, self.n_vocab), dtype=np.float32)
+        with self._slot.hold() as rt:
+            seq = self._scheduler.slots[0].seq
+            seq.clear()
+            for s in range(0, len(tokens), rt.n_batch):
+                chunk = tokens[s : s + rt.n_batch]
+                first = max(start - s, 0)
+                if first >= len(chunk):
+                    seq.decode(chunk)
+                    continue
+                seq.decode(chunk, logits_from=first)
+                for i in range(first, len(chunk)):
+                    out[s + i - start] = rt.logits_row(i)
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the model and context. A generation in progress is cancelled (and closed when
+        suspended); one running in another thread stops at its next step, which close waits for.
+        Every later call, also on generations made before, raises EngineClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._slot.close(self._free)
+
+    def _free(self) -> None:
+        self._close_embedder()
+        self._drafts.close()
+        self._runtime.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Engine({self.name!r}, n_ctx={self.n_ctx})"

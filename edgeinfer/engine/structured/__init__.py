@@ -1,0 +1,3 @@
+"""Structured output: GBNF grammars and JSON schemas compiled to them, enforced while sampling."""
+
+__all__: list[str] = []
