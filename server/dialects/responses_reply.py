@@ -150,8 +150,20 @@ class ResponsesReply:
                     self._event("response.output_item.done", output_index=call["index"], item=item)]
         return out
 
+    def _close_calls(self) -> list[str]:
+        """Calls cut off by max_output_tokens: closed as incomplete (not in the response's output,
+        as the whole response's is only the calls the model finished)."""
+        out = []
+        for call in self.calls.values():
+            item = _call_item(call["id"], call["call_id"], call["name"], call["arguments"], "incomplete")
+            out += [self._event("response.function_call_arguments.done", item_id=call["id"],
+                                output_index=call["index"], arguments=call["arguments"]),
+                    self._event("response.output_item.done", output_index=call["index"], item=item)]
+        self.calls.clear()
+        return out
+
     def closing(self, done: edgeinfer.DoneEvent) -> list[str]:
-        out = self._close_text()
+        out = self._close_text() + self._close_calls()
         if done.finish_reason == "cancelled":
             return out + self.failure(cancelled_error(self.context.model))
         if not self.output:  # nothing was said: one empty message, as OpenAI's
