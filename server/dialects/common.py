@@ -32,8 +32,9 @@ def bad(message: str, param: str | None = None, status: int = 400) -> APIError:
 
 
 def check_object(body: Any, what: str = "the request body") -> Mapping[str, Any]:
+    """`body` if it is an object; else a 400 (whose param is the top field of a quoted `what`, "'text.format'")."""
     if not isinstance(body, Mapping):
-        raise bad(f"{what} must be a JSON object")
+        raise bad(f"{what} must be a JSON object", what.strip("'").split(".")[0] if what.startswith("'") else None)
     return body
 
 
