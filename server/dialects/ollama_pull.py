@@ -52,22 +52,31 @@ def pull_spec(name: str) -> str:
     return s
 
 
-def _status(event: Any, digests: dict[str, str]) -> dict[str, Any] | None:
-    if isinstance(event, edgeinfer.PullPlan):
-        digests.update({f.path: f.sha256 or f.blob_id or "" for f in event.files})
-        return {"status": "pulling manifest"}
-    if isinstance(event, edgeinfer.DownloadProgress):
-        if event.status == "verifying":
-            return {"status": "verifying sha256 digest"}
-        digest = digests.get(event.file, "")
-        completed = event.total if event.status in ("cached", "done") else event.done
-        return {"status": f"pulling {digest[:12] or event.file}", "digest": f"sha256:{digest}" if digest else "",
-                "total": event.total, "completed": completed}
-    if isinstance(event, edgeinfer.PullStage):
-        if event.stage == "register":
-            return {"status": "writing manifest"}
-        return {"status": "success"} if event.stage == "done" else {"status": event.message}
-    return None  # conversion and quantization progress: their stages say enough
+class _Lines:
+    """Ollama's progress lines of one pull's events: the files' progress under their digests, then
+    "verifying sha256 digest" once the downloads are over (edgeinfer checked each file's hash as it
+    arrived), the stages, "writing manifest", "success"."""
+
+    def __init__(self) -> None:
+        self.digests: dict[str, str] = {}
+        self.verified = False
+
+    def of(self, event: Any) -> list[dict[str, Any]]:
+        if isinstance(event, edgeinfer.PullPlan):
+            self.digests.update({f.path: f.sha256 or f.blob_id or "" for f in event.files})
+            return [{"status": "pulling manifest"}]
+        if isinstance(event, edgeinfer.DownloadProgress):
+            digest = self.digests.get(event.file, "")
+            completed = event.total if event.status in ("cached", "done") else event.done
+            return [{"status": f"pulling {digest[:12] or event.file}", "digest": f"sha256:{digest}" if digest else "",
+                     "total": event.total, "completed": completed}]
+        if isinstance(event, edgeinfer.PullStage):
+            out = [] if self.verified else [{"status": "verifying sha256 digest"}]
+            self.verified = True
+            if event.stage == "register":
+                return out + [{"status": "writing manifest"}]
+            return out + [{"status": "success"} if event.stage == "done" else {"status": event.message}]
+        return []  # conversion and quantization progress: their stages say enough
 
 
 def _error(e: BaseException) -> APIError:
@@ -107,11 +116,10 @@ class PullRoute:
         lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
-        digests: dict[str, str] = {}
+        statuses = _Lines()
 
         def progress(event: Any) -> None:
-            line = _status(event, digests)
-            if line is not None:
+            for line in statuses.of(event):
                 loop.call_soon_threadsafe(lines.put_nowait, line)
 
         async def run() -> None:
