@@ -34,21 +34,8 @@ from ..errors import APIError, from_library_error
 from ..routing import acquire, plan_for
 from ..tools import prepare_chat
 from .anthropic_reply import AnthropicReply
-from .common import (
-    MAX_ITEMS,
-    Translated,
-    bad,
-    bool_field,
-    check_fields,
-    check_object,
-    flat_tools,
-    int_field,
-    list_field,
-    number_field,
-    parse_translated,
-    renamed_error,
-    text_field,
-)
+from .common import (MAX_ITEMS, Translated, bad, bool_field, check_fields, check_object, flat_tools, int_field,
+                     list_field, number_field, parse_translated, renamed_error, text_field)
 
 __all__ = ["translate_messages", "handle_messages", "handle_count_tokens"]
 

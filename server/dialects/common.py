@@ -72,22 +72,24 @@ def bool_field(obj: Mapping[str, Any], name: str, default: bool | None = None, w
     return v
 
 
-def int_field(obj: Mapping[str, Any], name: str, lo: int, hi: int, where: str = "") -> int | None:
+def _ranged(obj: Mapping[str, Any], name: str, lo: float, hi: float, where: str, integer: bool) -> Any:
     v = obj.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise bad(f"'{where}{name}' must be an integer in [{lo}, {hi}], got {json.dumps(v)[:40]}", name)
-    return v
+    kind = int if integer else (int, float)
+    if isinstance(v, bool) or not isinstance(v, kind) or (not integer and math.isnan(v)) or not lo <= v <= hi:
+        bounds = f"[{lo}, {hi}]" if integer else f"[{lo:g}, {hi:g}]"
+        raise bad(f"'{where}{name}' must be {'an integer' if integer else 'a number'} in {bounds}, "
+                  f"got {json.dumps(v)[:40]}", name)
+    return v if integer else float(v)
+
+
+def int_field(obj: Mapping[str, Any], name: str, lo: int, hi: int, where: str = "") -> int | None:
+    return _ranged(obj, name, lo, hi, where, integer=True)
 
 
 def number_field(obj: Mapping[str, Any], name: str, lo: float, hi: float, where: str = "") -> float | None:
-    v = obj.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not lo <= v <= hi:
-        raise bad(f"'{where}{name}' must be a number in [{lo:g}, {hi:g}], got {json.dumps(v)[:40]}", name)
-    return float(v)
+    return _ranged(obj, name, lo, hi, where, integer=False)
 
 
 def list_field(obj: Mapping[str, Any], name: str, *, limit: int = MAX_ITEMS, where: str = "") -> list[Any] | None:

@@ -40,19 +40,8 @@ from edgeinfer.service import ModelPlan
 from ..errors import APIError
 from ..protocol import ParsedRequest
 from ..routing import acquire, keep_alive_field, plan_for
-from .common import (
-    MAX_ITEMS,
-    Translated,
-    bad,
-    bool_field,
-    check_fields,
-    check_object,
-    int_field,
-    list_field,
-    parse_translated,
-    renamed_error,
-    text_field,
-)
+from .common import (MAX_ITEMS, Translated, bad, bool_field, check_fields, check_object, int_field, list_field,
+                     parse_translated, renamed_error, text_field)
 from .ollama_reply import OllamaReply, created_at
 
 __all__ = ["translate_ollama", "handle_ollama_generation"]

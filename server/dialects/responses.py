@@ -30,20 +30,8 @@ from starlette.responses import Response
 
 from ..errors import APIError
 from ..routing import keep_alive_field, plan_for
-from .common import (
-    MAX_ITEMS,
-    Translated,
-    bad,
-    bool_field,
-    check_fields,
-    check_object,
-    flat_tools,
-    int_field,
-    list_field,
-    parse_translated,
-    renamed_error,
-    text_field,
-)
+from .common import (MAX_ITEMS, Translated, bad, bool_field, check_fields, check_object, flat_tools, int_field,
+                     list_field, parse_translated, renamed_error, text_field)
 from .response_store import ResponseStore
 from .responses_reply import ResponsesReply, output_messages
 

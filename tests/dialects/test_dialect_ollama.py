@@ -1,5 +1,5 @@
 """Ollama's API (`/api/*`, server/dialects/ollama*.py) with the real `ollama` client against the shared
-dialect server (tests/dialect_server.py, an F16 copy of the default model, a tiny embedding model,
+dialect server (tests/dialects/conftest.py, an F16 copy of the default model, a tiny embedding model,
 a local Hugging Face Hub): `chat` streamed and not, with `format` and `tools`, and `generate` (templated
 and raw) give the chat and completions routes' greedy text token for token; `options` take effect
 as their OpenAI fields do; `embed` and the legacy `embeddings` equal `/v1/embeddings`; `list`,
@@ -13,18 +13,7 @@ import json
 import httpx2 as httpx
 import numpy as np
 import pytest
-from dialect_server import (  # noqa: F401
-    APP_ORIGIN,
-    EMBED_MODEL,
-    KEY,
-    MODEL,
-    TINY_REPO,
-    auth,
-    dialect_hub,
-    dialect_server,
-    embedding_gguf,
-    f16_path,
-)
+from dialect_support import APP_ORIGIN, EMBED_MODEL, KEY, MODEL, TINY_REPO, auth, send
 
 from edgeinfer_server.dialects.ollama import translate_ollama
 from edgeinfer_server.dialects.ollama_pull import pull_spec
@@ -133,7 +122,7 @@ def test_pull_names_map_to_hub_specs():
 
 
 @pytest.mark.slow
-def test_chat_and_generate_equal_the_openai_routes(dialect_server):  # noqa: F811
+def test_chat_and_generate_equal_the_openai_routes(dialect_server):
     c = client(dialect_server)
     for prompt in PROMPTS:
         messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": prompt}]
@@ -160,7 +149,7 @@ def test_chat_and_generate_equal_the_openai_routes(dialect_server):  # noqa: F81
 
 
 @pytest.mark.slow
-def test_options_take_effect_as_their_openai_fields(dialect_server):  # noqa: F811
+def test_options_take_effect_as_their_openai_fields(dialect_server):
     """Every honoured option with a non-default value, against the chat route given the same."""
     c = client(dialect_server)
     ask = [{"role": "user", "content": PROMPTS[2]}]
@@ -189,7 +178,7 @@ def test_options_take_effect_as_their_openai_fields(dialect_server):  # noqa: F8
 
 
 @pytest.mark.slow
-def test_format_and_tools(dialect_server):  # noqa: F811
+def test_format_and_tools(dialect_server):
     import jsonschema
 
     c = client(dialect_server)
@@ -236,7 +225,7 @@ def test_format_and_tools(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_embed_equals_the_embeddings_route(dialect_server):  # noqa: F811
+def test_embed_equals_the_embeddings_route(dialect_server):
     c = client(dialect_server)
     got = c.embed(model=EMBED_MODEL, input=TEXTS)
     ref = openai(dialect_server).embeddings.create(model=EMBED_MODEL, input=TEXTS, encoding_format="float")
@@ -264,7 +253,7 @@ def test_embed_equals_the_embeddings_route(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_list_show_ps_version_and_the_probe(dialect_server, f16_path):  # noqa: F811
+def test_list_show_ps_version_and_the_probe(dialect_server, f16_path):
     import datetime as dt
 
     c = client(dialect_server)
@@ -289,7 +278,7 @@ def test_list_show_ps_version_and_the_probe(dialect_server, f16_path):  # noqa: 
 
 
 @pytest.mark.slow
-def test_load_and_unload_requests(dialect_server):  # noqa: F811
+def test_load_and_unload_requests(dialect_server):
     c = client(dialect_server)
     loaded = c.generate(model=EMBED_MODEL, prompt="", keep_alive="5m")
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
@@ -300,7 +289,7 @@ def test_load_and_unload_requests(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_pull_from_the_hub_with_progress_lines_then_delete(dialect_server, dialect_hub):  # noqa: F811
+def test_pull_from_the_hub_with_progress_lines_then_delete(dialect_server, dialect_hub):
     import ollama
 
     c = client(dialect_server)
@@ -336,15 +325,11 @@ def test_pull_from_the_hub_with_progress_lines_then_delete(dialect_server, diale
 
 
 @pytest.mark.slow
-def test_hostile_bodies_get_ollama_errors_never_a_500(dialect_server):  # noqa: F811
+def test_hostile_bodies_get_ollama_errors_never_a_500(dialect_server):
     base = root(dialect_server)
 
     def call(method: str, path: str, body, status: int, headers=None) -> str:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = httpx.request(method, base + path, content=content, timeout=60,
-                          headers={"Content-Type": "application/json", **(auth() if headers is None else headers)})
-        assert r.status_code == status, (path, r.text)
-        error = r.json()["error"]
+        error = send(method, base + path, body, status, headers)["error"]
         assert isinstance(error, str) and error
         return error
 

@@ -1,6 +1,6 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`,
 server/dialects/anthropic.py) with the real `anthropic` client against the shared dialect server
-(tests/dialect_server.py, an F16 copy of the default model): `messages.create` and
+(tests/dialects/conftest.py, an F16 copy of the default model): `messages.create` and
 `messages.stream` give the chat route's greedy text token for token, the streamed events come in
 Anthropic's order (with `ping`), a `tool_use` round trip (the call, its `tool_result`, the answer:
 equal to the same conversation on the chat route), `stop_sequences` report the one that matched,
@@ -16,7 +16,7 @@ import json
 
 import httpx2 as httpx
 import pytest
-from dialect_server import KEY, MODEL, auth, dialect_hub, dialect_server, embedding_gguf, f16_path  # noqa: F401
+from dialect_support import KEY, MODEL, auth, send
 
 from edgeinfer_server.dialects.anthropic import translate_messages
 from edgeinfer_server.errors import APIError
@@ -116,7 +116,7 @@ def test_requests_the_dialect_cannot_honour_are_400s_naming_the_field(body, para
 
 
 @pytest.mark.slow
-def test_messages_equal_the_chat_route_created_and_streamed(dialect_server):  # noqa: F811
+def test_messages_equal_the_chat_route_created_and_streamed(dialect_server):
     c = client(dialect_server)
     for prompt in PROMPTS:
         choice, usage = chat(dialect_server, [{"role": "system", "content": "Answer briefly."},
@@ -144,7 +144,7 @@ def test_messages_equal_the_chat_route_created_and_streamed(dialect_server):  # 
 
 
 @pytest.mark.slow
-def test_stop_sequences_report_the_one_that_matched(dialect_server):  # noqa: F811
+def test_stop_sequences_report_the_one_that_matched(dialect_server):
     c = client(dialect_server)
     free = chat(dialect_server, [{"role": "user", "content": PROMPTS[2]}], max_tokens=40)[0].message.content
     word = free.split()[3]
@@ -156,7 +156,7 @@ def test_stop_sequences_report_the_one_that_matched(dialect_server):  # noqa: F8
 
 
 @pytest.mark.slow
-def test_a_tool_use_round_trip(dialect_server):  # noqa: F811
+def test_a_tool_use_round_trip(dialect_server):
     c = client(dialect_server)
     kw = {"model": MODEL, "max_tokens": 60, "tools": [WEATHER], "extra_body": GREEDY}
     one = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
@@ -185,7 +185,7 @@ def test_a_tool_use_round_trip(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_count_tokens_is_what_the_model_reads(dialect_server):  # noqa: F811
+def test_count_tokens_is_what_the_model_reads(dialect_server):
     c = client(dialect_server)
     messages = [{"role": "user", "content": ASK}]
     plain = c.messages.count_tokens(model=MODEL, system="Answer briefly.", messages=messages)
@@ -197,7 +197,7 @@ def test_count_tokens_is_what_the_model_reads(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_output_config_json_schema(dialect_server):  # noqa: F811
+def test_output_config_json_schema(dialect_server):
     import jsonschema
     from pydantic import BaseModel
 
@@ -219,16 +219,12 @@ def test_output_config_json_schema(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_hostile_bodies_get_anthropic_errors_never_a_500(dialect_server):  # noqa: F811
+def test_hostile_bodies_get_anthropic_errors_never_a_500(dialect_server):
     url = dialect_server.url + "/messages"
     ok = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
 
     def post(body, status: int, kind: str, headers=None, path: str = "") -> str:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = httpx.post(url + path, content=content, timeout=60,
-                       headers={"Content-Type": "application/json", **(headers or {"x-api-key": KEY})})
-        assert r.status_code == status, r.text
-        err = r.json()
+        err = send("POST", url + path, body, status, headers or {"x-api-key": KEY})
         assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
         return err["error"]["message"]
 

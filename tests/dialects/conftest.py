@@ -1,5 +1,6 @@
-"""The one server the dialect tests share (test_dialect_*.py import its fixtures): the real CLI in
-a subprocess (tests/test_server.py's Server) on an F16 copy of the default model — F16 because
+"""The one server the dialect tests share (a session fixture: one per pytest-xdist worker that runs
+any of tests/dialects/): the real CLI in a subprocess (tests/test_server.py's Server) on an F16
+copy of the default model — F16 because
 its greedy output does not depend on the batch shape (DESIGN.md: Q4_1's batched rows round
 differently), so each dialect's answer can be compared token for token with the OpenAI route's.
 
@@ -13,6 +14,7 @@ embedding routes, and pulls from a local Hugging Face Hub (tests/hub_server.py) 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,20 +22,11 @@ import pytest
 from hub_server import HubServer, tiny_gguf
 from once_per_run import once_per_run
 from test_batch_engine import f16_path  # noqa: F401  (the session fixture: the default model as F16)
-from test_server import MODEL_FILE, Server
+from test_server import Server
 
-__all__ = ["dialect_server", "dialect_hub", "embedding_gguf", "KEY", "MODEL", "EMBED_MODEL", "APP_ORIGIN",
-           "TINY_REPO", "auth"]
+sys.path.insert(0, str(Path(__file__).parent))  # dialect_support
 
-KEY = "dialect-key-123"
-MODEL = MODEL_FILE  # the chat model's name (its file name)
-EMBED_MODEL = "tiny-embedding-f32"  # the embedding model's name (its file stem)
-APP_ORIGIN = "http://app.example:3000"  # --cors-origins
-TINY_REPO = "tester/Tiny-GGUF"  # on the local hub: one Q8_0 file
-
-
-def auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEY}"}
+from dialect_support import APP_ORIGIN, EMBED_MODEL, KEY, TINY_REPO  # noqa: E402
 
 
 @pytest.fixture(scope="session")

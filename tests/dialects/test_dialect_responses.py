@@ -1,5 +1,5 @@
 """OpenAI's Responses API (`POST /v1/responses`, server/dialects/responses.py) with the real `openai`
-client against the shared dialect server (tests/dialect_server.py, an F16 copy of the default
+client against the shared dialect server (tests/dialects/conftest.py, an F16 copy of the default
 model): `responses.create` streamed and not gives the chat route's greedy text token for token
 (same text, same token counts), the streamed semantic events come in OpenAI's order, a function
 call goes round (the call, its output, the answer: equal to the same conversation on the chat
@@ -12,7 +12,7 @@ import json
 
 import httpx2 as httpx
 import pytest
-from dialect_server import KEY, MODEL, auth, dialect_hub, dialect_server, embedding_gguf, f16_path  # noqa: F401
+from dialect_support import KEY, MODEL, auth, send
 
 from edgeinfer_server.dialects.response_store import ResponseStore
 from edgeinfer_server.dialects.responses import translate_responses
@@ -113,7 +113,7 @@ def test_the_response_store_is_bounded_and_per_key():
 
 
 @pytest.mark.slow
-def test_responses_equal_the_chat_route_streamed_and_not(dialect_server):  # noqa: F811
+def test_responses_equal_the_chat_route_streamed_and_not(dialect_server):
     c = client(dialect_server)
     for prompt in PROMPTS:
         message, usage = chat_text(dialect_server, [{"role": "system", "content": "Answer briefly."},
@@ -139,7 +139,7 @@ def test_responses_equal_the_chat_route_streamed_and_not(dialect_server):  # noq
 
 
 @pytest.mark.slow
-def test_a_function_call_round_trip(dialect_server):  # noqa: F811
+def test_a_function_call_round_trip(dialect_server):
     c = client(dialect_server)
     first = c.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=60,
                                temperature=0.0)
@@ -179,7 +179,7 @@ def test_a_function_call_round_trip(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_text_format_json_schema(dialect_server):  # noqa: F811
+def test_text_format_json_schema(dialect_server):
     import jsonschema
     from pydantic import BaseModel
 
@@ -201,16 +201,12 @@ def test_text_format_json_schema(dialect_server):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_hostile_bodies_get_openai_errors_never_a_500(dialect_server):  # noqa: F811
+def test_hostile_bodies_get_openai_errors_never_a_500(dialect_server):
     url = dialect_server.url + "/responses"
     ok = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
 
     def post(body, status: int, headers=None) -> dict:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = httpx.post(url, content=content, headers={"Content-Type": "application/json", **(headers or auth())},
-                       timeout=60)
-        assert r.status_code == status, r.text
-        err = r.json()["error"]
+        err = send("POST", url, body, status, headers)["error"]
         assert err["message"] and err["type"]
         return err
 
@@ -232,3 +228,50 @@ def test_hostile_bodies_get_openai_errors_never_a_500(dialect_server):  # noqa: 
     assert post(ok, 401, headers={"Authorization": "Bearer wrong"})["code"] == "invalid_api_key"
     assert client(dialect_server).responses.create(model=MODEL, input="Hi", max_output_tokens=3).status in (
         "completed", "incomplete")
+
+
+@pytest.mark.slow
+def test_a_stream_the_server_cuts_ends_with_each_dialects_error(dialect_server):
+    """`edgeinfer stop` while a stream of each dialect runs: each ends with its own terminal error
+    (Responses `response.failed`, Anthropic an `error` event, Ollama an `{"error"}` line)."""
+    import threading
+
+    base = dialect_server.url.removesuffix("/v1")
+    story = [{"role": "user", "content": "Write a very long story about a dragon who learns to cook."}]
+    streams = {  # path, body, what shows the stream has begun
+        "responses": ("/v1/responses", {"model": MODEL, "input": story, "max_output_tokens": 500, "stream": True},
+                      "response.output_text.delta"),
+        "anthropic": ("/v1/messages", {"model": MODEL, "messages": story, "max_tokens": 500, "stream": True},
+                      "content_block_delta"),
+        "ollama": ("/api/chat", {"model": MODEL, "messages": story, "options": {"num_predict": 500}}, '"done": false'),
+    }
+    begun = {name: threading.Event() for name in streams}
+    bodies: dict[str, str] = {}
+
+    def read(name: str) -> None:
+        path, body, mark = streams[name]
+        text = ""
+        with httpx.stream("POST", base + path, json=body, headers=auth(), timeout=120) as r:
+            for piece in r.iter_text():
+                text += piece
+                if mark in text:
+                    begun[name].set()
+        bodies[name] = text
+
+    threads = [threading.Thread(target=read, args=(name,)) for name in streams]
+    for t in threads:
+        t.start()
+    assert all(e.wait(120) for e in begun.values())
+    stop = httpx.post(base + "/edgeinfer/stop", json={"model": MODEL}, headers=auth(), timeout=60)
+    assert stop.status_code == 200 and stop.json()["cancelled"] >= 3
+    for t in threads:
+        t.join(120)
+    last = [line for line in bodies["responses"].splitlines() if line.startswith("data: ")][-1]
+    failed = json.loads(last.removeprefix("data: "))
+    assert failed["type"] == "response.failed" and "cancelled" in failed["response"]["error"]["message"]
+    events = [line for line in bodies["anthropic"].splitlines() if line.startswith("event: ")]
+    assert events[-1] == "event: error" and '"overloaded_error"' in bodies["anthropic"] and \
+        "event: message_stop" not in events
+    assert "cancelled" in json.loads(bodies["ollama"].splitlines()[-1])["error"]
+    # the model loads again for the next request
+    assert client(dialect_server).responses.create(model=MODEL, input="Hi", max_output_tokens=2).output_text
