@@ -169,7 +169,10 @@ def stop_matched(done: edgeinfer.DoneEvent, stops: Sequence[str], token_bytes: C
         return None
     if len(stops) == 1:
         return stops[0]
-    full = b"".join(token_bytes(t) for t in done.tokens).decode("utf-8", errors="replace")
+    try:
+        full = b"".join(token_bytes(t) for t in done.tokens).decode("utf-8", errors="replace")
+    except edgeinfer.EdgeInferError:  # the model was unloaded meanwhile: the reason stays, unnamed
+        return None
     at = full.find(done.text) + len(done.text) if done.text else 0
     hits = [(full.find(s, at), s) for s in stops if full.find(s, at) >= 0]
     return min(hits)[1] if hits else None

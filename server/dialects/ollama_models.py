@@ -100,7 +100,8 @@ def show_body(service: ModelService, body: Any) -> dict[str, Any]:
     name = _model_name(body, "/api/show")
     try:
         plan = service.plan(name)
-    except edgeinfer.ModelNotFoundError as e:
+        identity = _identity(plan)
+    except (edgeinfer.ModelNotFoundError, FileNotFoundError) as e:
         raise APIError(404, str(e)) from None
     except edgeinfer.EdgeInferError as e:
         raise from_library_error(e) from None
@@ -112,7 +113,6 @@ def show_body(service: ModelService, body: Any) -> dict[str, Any]:
     capabilities = ["completion", *(["embedding"] if embeds(plan) else [])]
     if not template or detect_format(template) is not None or not template_supports_tools(template):
         capabilities.append("tools")  # a template without tools gets edgeinfer's Hermes fallback
-    identity = _identity(plan)
     return {"license": str(info.metadata.get("general.license") or ""), "modelfile": f"FROM {plan.path}\n",
             "parameters": f"num_ctx {plan.n_ctx_per_request}", "template": template, "details": identity["details"],
             "model_info": model_info, "capabilities": capabilities, "modified_at": identity["modified_at"]}
@@ -144,6 +144,8 @@ def delete_model(service: ModelService, body: Any) -> None:
         path, manifest = service.resolve(name)
     except edgeinfer.ModelNotFoundError:
         raise APIError(404, f"model {name[:200]!r} not found") from None
+    except edgeinfer.EdgeInferError as e:
+        raise from_library_error(e) from None
     if manifest is None or store.find(manifest.ref) is None:
         raise bad(f"{name[:200]!r} is a file the server was given ({Path(path).name}), not a model of its store: "
                   "it is not deleted", "model")

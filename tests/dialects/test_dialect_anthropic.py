@@ -73,9 +73,11 @@ def test_blocks_become_the_chat_messages_they_mean():
         {"role": "tool", "tool_call_id": "t2", "content": "Error: down"}]
     assert t.body["tools"] == [CHAT_WEATHER] and t.body["tool_choice"] == "required"
     assert t.body["parallel_tool_calls"] is False and t.body["stop"] == ["\n\n"] and t.body["top_k"] == 5
-    assert translate_messages({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
-                               "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
-                              ).body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    for choice, chat_choice in (({"type": "tool", "name": "get_weather"},
+                                 {"type": "function", "function": {"name": "get_weather"}}),
+                                ({"type": "auto"}, "auto"), ({"type": "none"}, "none")):
+        assert translate_messages({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                                   "tools": [WEATHER], "tool_choice": choice}).body["tool_choice"] == chat_choice
 
 
 @pytest.mark.parametrize("body, param, says", [
@@ -141,6 +143,17 @@ def test_messages_equal_the_chat_route_created_and_streamed(dialect_server):
                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})
     names = [line.removeprefix("event: ") for line in raw.text.splitlines() if line.startswith("event: ")]
     assert raw.status_code == 200 and names[:2] == ["message_start", "ping"]  # the wire carries the ping too
+
+
+@pytest.mark.slow
+def test_top_k_and_top_p_narrow_the_draw(dialect_server):
+    """At temperature 1, top_k 1 (or a tiny top_p) leaves only the likeliest token: the greedy text."""
+    c = client(dialect_server)
+    ask = [{"role": "user", "content": PROMPTS[1]}]
+    greedy = chat(dialect_server, ask, max_tokens=24)[0].message.content
+    for narrow in ({"top_k": 1}, {"top_p": 1e-6}):
+        r = c.messages.create(model=MODEL, max_tokens=24, messages=ask, extra_body={"temperature": 1.0, **narrow})
+        assert r.content[0].text == greedy, narrow
 
 
 @pytest.mark.slow
@@ -242,6 +255,8 @@ def test_hostile_bodies_get_anthropic_errors_never_a_500(dialect_server):
     post(b"{" + b" " * (2 << 20) + b"}", 413, "request_too_large")
     post(ok, 401, "authentication_error", headers={"x-api-key": "wrong"})
     post(ok, 401, "authentication_error", headers={"anthropic-version": "2023-06-01"})
+    post(ok, 403, "permission_error", headers={"x-api-key": KEY, "Host": "evil.example:8080"})  # DNS rebinding
+    post(ok, 403, "permission_error", headers={"x-api-key": KEY, "Origin": "http://evil.example"})  # CSRF
     post({"model": MODEL}, 400, "invalid_request_error", path="/count_tokens")
     post({**ok, "max_tokens": 3}, 400, "invalid_request_error", path="/count_tokens")  # not a count_tokens field
     r = httpx.post(url, json=ok, headers=auth(), timeout=60)  # the key as a Bearer token works too

@@ -139,12 +139,34 @@ def test_responses_equal_the_chat_route_streamed_and_not(dialect_server):
 
 
 @pytest.mark.slow
+def test_sampling_fields_and_echoed_fields(dialect_server):
+    """temperature 1 with top_p 1e-6 keeps only the likeliest token: the greedy text; with a seed
+    (the chat route's extra field) a sampled answer is the chat route's for the same settings."""
+    c = client(dialect_server)
+    ask = [{"role": "user", "content": PROMPTS[1]}]
+    greedy, _ = chat_text(dialect_server, ask, max_tokens=24)
+    narrow = c.responses.create(model=MODEL, input=PROMPTS[1], max_output_tokens=24, temperature=1.0, top_p=1e-6,
+                                metadata={"run": "7"}, user="tester")
+    assert narrow.output_text == greedy.content
+    assert (narrow.temperature, narrow.top_p, narrow.metadata, narrow.user) == (1.0, 1e-6, {"run": "7"}, "tester")
+    sampled = c.responses.create(model=MODEL, input=PROMPTS[1], max_output_tokens=24, temperature=0.9, top_p=0.9,
+                                 extra_body={"seed": 7, "top_k": 20})
+    ref = client(dialect_server).chat.completions.create(model=MODEL, messages=ask, max_tokens=24, temperature=0.9,
+                                                          top_p=0.9, seed=7, extra_body={"top_k": 20})
+    assert sampled.output_text == ref.choices[0].message.content
+
+
+@pytest.mark.slow
 def test_a_function_call_round_trip(dialect_server):
     c = client(dialect_server)
     first = c.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=60,
                                temperature=0.0)
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str)
+    one = c.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice={"type": "function",
+                             "name": "get_weather"}, parallel_tool_calls=False, max_output_tokens=60, temperature=0.0)
+    assert [(i.type, i.arguments) for i in one.output] == [("function_call", calls[0].arguments)]
+    assert one.status == "completed" and one.parallel_tool_calls is False  # one call, then the model stopped
     stream = list(c.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
                                      max_output_tokens=60, temperature=0.0, stream=True))
     done = [e for e in stream if e.type == "response.function_call_arguments.done"]
