@@ -1,8 +1,14 @@
-"""A request's hold on a loaded model."""
+"""A request's hold on a loaded model.
+
+Releasing is explicit: `release()`, or leaving a `with` block. Control flow does not depend on the
+garbage collector: a lease dropped without release is reported (a ResourceWarning when it is
+collected) and keeps its model busy until the model is stopped or the service closes.
+"""
 
 from __future__ import annotations
 
 import threading
+import warnings
 
 from ..engine.faces.batch import BatchEngine
 from .registry import HeldModel, Registry
@@ -13,7 +19,8 @@ __all__ = ["Lease"]
 class Lease:
     """A request's hold on a loaded model: the model is not unloaded by eviction or keep-alive
     while any lease is held. `release()` (idempotent; also on `with` exit) ends it; its
-    `keep_alive` (None: the model's) then sets how long the idle model stays."""
+    `keep_alive` (None: the model's) then sets how long the idle model stays. A lease is never
+    released by the garbage collector."""
 
     def __init__(self, held: Registry, entry: HeldModel, keep_alive: float | None):
         self._held = held
@@ -41,8 +48,7 @@ class Lease:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def __del__(self) -> None:  # a lease dropped without release must not pin its model for ever
-        try:
-            self.release()
-        except Exception:  # pragma: no cover
-            pass
+    def __del__(self) -> None:  # only a report: releasing takes the service's lock, never on the collector's thread
+        if not self._released:
+            warnings.warn(f"a lease on {self.plan.name} was never released: the model stays busy until it is stopped "
+                          "(call release() or use `with`)", ResourceWarning, source=self, stacklevel=2)
