@@ -1,4 +1,4 @@
-"""Where a model's layers land over the host and the devices: pure arithmetic, no ctypes.
+"""Where a model's layers land over the host and the devices: pure arithmetic (nothing here calls llama.cpp).
 
 Placement (`LoadOptions.n_gpu_layers`, `.rpc`, `.tensor_split`) follows llama.cpp's rule: of the
 model's n_layer + 1 layers (the output layer counts as the last), the first ones stay on the host and
