@@ -13,7 +13,7 @@ names) are listed by `garbage()` and removed by `collect_garbage()`.
     manifest.py   the manifest's schema and its careful reading
     names.py      store names (`name:tag`) and references that are paths
     locks.py      the writer lock of each name
-    gc.py         what nothing uses (garbage) and its removal
+    garbage.py    what nothing uses, and its removal
     cache.py      small JSON caches by kind and key
     bootstrap.py  the default model, registered in every store once
 """
@@ -21,7 +21,7 @@ names) are listed by `garbage()` and removed by `collect_garbage()`.
 from __future__ import annotations
 
 from ..default_model import DEFAULT_MODEL  # its one source, beside the code that finds the shipped file
-from .gc import Garbage
+from .garbage import Garbage
 from .manifest import ManifestError, ModelManifest
 from .names import normalize_name, parse_ref
 from .store import Store

@@ -25,9 +25,9 @@ from ..errors import InvalidOptionError, ModelNotFoundError, StoreError
 from ..fsutil import atomic_write_text, is_inside, sha256_file
 from ..gguf_file import GGUFInfo
 from ..validate import LoadChecks, check_semantics, validate_file
-from . import cache, gc, locks
+from . import cache, garbage, locks
 from .bootstrap import ensure_default_model
-from .gc import Garbage
+from .garbage import Garbage
 from .manifest import ManifestError, ModelManifest, read_manifest
 from .names import looks_like_path, parse_ref
 
@@ -369,11 +369,11 @@ class Store:
         Only files older than this process count, and none a live writer holds (the flock of
         `atomic_path`, the `writing` lock of the name). `names` limits it to those models' folders.
         """
-        return gc.find_garbage(self, names)
+        return garbage.find_garbage(self, names)
 
     def collect_garbage(self, names: Collection[str] | None = None) -> list[Garbage]:
         """Delete what `garbage()` lists, re-checked under the store lock; returns what went."""
-        return gc.collect_garbage(self, names)
+        return garbage.collect_garbage(self, names)
 
     # -- caches ----------------------------------------------------------------------------------
     def read_cache(self, kind: str, key: str) -> Any | None:
