@@ -20,7 +20,7 @@ from typing import Any
 from filelock import FileLock
 
 from .. import paths
-from ..default_model import DEFAULT_MODEL
+from ..default_model import DEFAULT_MODEL, missing_message
 from ..errors import InvalidOptionError, ModelNotFoundError, StoreError
 from ..fsutil import atomic_write_text, is_inside, sha256_file
 from ..gguf_file import GGUFInfo
@@ -199,8 +199,6 @@ class Store:
         if ref is None or ref == "":
             ref = DEFAULT_MODEL
             if self.ensure_default_model() is None:
-                from .default_model import missing_message
-
                 raise ModelNotFoundError(missing_message())
         ref_s = str(ref)
         if isinstance(ref, Path) or looks_like_path(ref_s):
