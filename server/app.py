@@ -207,6 +207,10 @@ class _Service:
         self.in_flight: dict[str, int] = {}  # by model: generation requests admitted and not yet over (event loop only)
 
     # -- plumbing --------------------------------------------------------------------------------
+    def cancel_all(self) -> None:
+        """Cancel everything running: every model's requests (shutdown, after the grace)."""
+        self.models.cancel_all()
+
     def max_tokens_limit(self, plan: ModelPlan) -> int:
         return self.config.max_tokens_limit or plan.n_ctx_per_request
 
@@ -384,16 +388,26 @@ class _Service:
 
     async def health(self, request: Request) -> Response:
         # Liveness for anyone (load balancers, probes); the rest only with the key, when there is one.
+        # On the event loop, with no worker thread: it answers while every thread is busy (the
+        # service's locks guard bookkeeping only).
+        health = self.models.health()
+        status, code = ("ok", 200) if health.ok else ("degraded", 503)
         if not check_credentials(self.config, request.headers.get("authorization")):
-            return JSONResponse({"status": "ok"})
-        held = await run_in_threadpool(self.models.ps)
-        default = await run_in_threadpool(lambda: self.models.plan(None) if self.models.default_name else None)
+            return JSONResponse({"status": status}, status_code=code)
+        held = self.models.ps()
+        default = next((s for s in held if s.path == self.models.default_key), None)
+        name, slots = (default.name, default.parallel) if default is not None else (None, 0)
+        if default is None and self.models.default_key is not None:  # not loaded now: its plan (a stat)
+            plan = await run_in_threadpool(self.models.plan, None)
+            name, slots = plan.name, plan.parallel
         return JSONResponse({
-            "status": "ok", "model": default.name if default else None, "slots": default.parallel if default else 0,
+            "status": status, "model": name, "slots": slots,
             "slots_busy": sum(s.slots_busy for s in held), "queue_depth": sum(s.queue_depth for s in held),
             "calibrating": any(s.calibrating for s in held),
+            **({"problems": list(health.problems)} if health.problems else {}),
             "models": [{"model": s.name, "state": s.state, "slots": s.parallel, "slots_busy": s.slots_busy,
-                        "queue_depth": s.queue_depth, "calibrating": s.calibrating} for s in held]})
+                        "queue_depth": s.queue_depth, "calibrating": s.calibrating} for s in held]},
+            status_code=code)
 
     async def metrics(self, request: Request) -> Response:
         engines = [(e.name, e.metrics()) for e in self.models.engines()]
@@ -405,7 +419,8 @@ class _Service:
 
     async def stop(self, request: Request) -> Response:
         body = await self.read_json(request)
-        return JSONResponse(await run_in_threadpool(stop_model, self.models, body))
+        result = await run_in_threadpool(stop_model, self.models, body)  # DEFAULT_STOP_TIMEOUT at most
+        return JSONResponse(result, status_code=200 if result["stopped"] else 202)
 
 
 async def _events(gen, wake: asyncio.Event, keepalive_s: float | None) -> AsyncIterator[list]:
@@ -482,7 +497,9 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
             status, f"no route {request.method} {request.url.path}",
             code="not_found" if status == 404 else "method_not_allowed"))
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
-                     middleware=[Middleware(_AccessLog),
-                                 Middleware(BrowserGuard, config=config,
-                                            render=lambda path, e: shape_for_path(path).render(e))])
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
+                    middleware=[Middleware(_AccessLog),
+                                Middleware(BrowserGuard, config=config,
+                                           render=lambda path, e: shape_for_path(path).render(e))])
+    app.state.cancel_all = service.cancel_all  # at shutdown, after the grace (server/run.py)
+    return app

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,9 @@ __all__ = ["register"]
 
 MISSING_SERVE = "the server needs starlette and uvicorn: pip install 'edgeinfer[serve]'"
 API_KEY_ENV = "EDGEINFER_API_KEY"
+# After Ctrl-C or SIGTERM the process exits within --grace and this many seconds more, whatever
+# is stuck (a llama.cpp call cannot be interrupted: a long prompt's decode, a model's unload).
+SHUTDOWN_MARGIN = 10.0
 
 
 def _seconds(text: str) -> float:
@@ -143,7 +147,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="seconds a client may read nothing of its response before it is disconnected and "
                      "its request cancelled (default 30)")
     lim.add_argument("--grace", type=float, default=5.0,
-                     help="seconds running requests may finish after Ctrl-C or SIGTERM before they are cancelled")
+                     help="seconds running requests may finish after Ctrl-C or SIGTERM before they are cancelled; "
+                     f"the process exits at most {SHUTDOWN_MARGIN:g} s later, whatever is stuck (exit status 1 then)")
     p.set_defaults(func=serve)
 
 
@@ -248,6 +253,27 @@ def _preload(service, model):  # noqa: ANN001, ANN202 - edgeinfer types
     return status
 
 
+class _ExitDeadline:
+    """Once armed (the first Ctrl-C or SIGTERM), the process ends by `seconds` from then: a
+    shutdown that is not done by then (a thread stuck in llama.cpp, an unload) is cut short with
+    exit status 1 and one line saying so."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.seconds, self._exit)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _exit(self) -> None:
+        print(f"edgeinfer: the server did not stop within {self.seconds:g} s of the signal (--grace + "
+              f"{SHUTDOWN_MARGIN:g} s): exiting now", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def serve(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -265,6 +291,7 @@ def serve(args: argparse.Namespace) -> int:
     ).validate()  # a refused option is a one-line error before the model loads
     options = _service_options(args, edgeinfer.Store())  # a bad flag or serve.toml: an error before loading
     sock = edgeinfer_server.bind(config.host, config.port)  # ... and so is a port in use
+    deadline = _ExitDeadline(config.shutdown_grace_s + SHUTDOWN_MARGIN)
     try:
         service = edgeinfer.ModelService(options, progress=_say_progress)
         try:
@@ -281,11 +308,11 @@ def serve(args: argparse.Namespace) -> int:
                       file=sys.stderr, flush=True)
 
             with _server_log_to_stderr():
-                edgeinfer_server.serve(service, config, sock=sock, on_ready=ready)
-        except KeyboardInterrupt:
-            pass  # a Ctrl-C outside uvicorn's handling (before it started): stop as well
+                edgeinfer_server.serve(service, config, sock=sock, on_ready=ready, on_signal=deadline.arm)
+        except KeyboardInterrupt:  # a Ctrl-C outside uvicorn's handling (before it started): stop as well
+            deadline.arm()
         finally:
-            service.close()
+            service.close(timeout=SHUTDOWN_MARGIN)
     finally:
         sock.close()
     print("edgeinfer: server stopped", file=sys.stderr)

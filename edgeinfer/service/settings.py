@@ -116,7 +116,7 @@ class ModelSettings:
             values[key] = v
         settings = cls(**values)
         try:
-            settings.validate()
+            settings = settings.validate()
         except InvalidOptionError as e:
             raise InvalidOptionError(f"{where}: {e}") from None
         return settings
@@ -142,8 +142,8 @@ class ModelSettings:
         self.load_options()
         self.batch_options()
         self.speculation()
-        if self.keep_alive is not None:
-            parse_duration(self.keep_alive)
+        if self.keep_alive is not None and parse_duration(self.keep_alive) != self.keep_alive:
+            return replace(self, keep_alive=parse_duration(self.keep_alive))  # clamped (or -1 for ever)
         return self
 
 
@@ -183,7 +183,8 @@ class ServiceOptions:
     default_settings: ModelSettings = ModelSettings()  # the default model's flags (over its table)
 
     def validate(self) -> ServiceOptions:
-        parse_duration(self.keep_alive, "keep_alive")
+        """These options checked; a copy where a duration was clamped (see parse_duration)."""
+        keep_alive = parse_duration(self.keep_alive, "keep_alive")
         if isinstance(self.max_loaded, bool) or not isinstance(self.max_loaded, int) or not 1 <= self.max_loaded <= 64:
             raise InvalidOptionError(f"max_loaded must be an integer in [1, 64], got {self.max_loaded!r}")
         if self.max_memory is not None and (isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int)
@@ -191,6 +192,9 @@ class ServiceOptions:
             raise InvalidOptionError(f"max_memory must be a positive number of bytes, got {self.max_memory!r}")
         if not (isinstance(self.room_wait_s, int | float) and math.isfinite(self.room_wait_s) and self.room_wait_s >= 0):
             raise InvalidOptionError(f"room_wait_s must be a finite number of seconds >= 0, got {self.room_wait_s!r}")
-        for s in (self.defaults, self.default_settings, *self.models.values()):
-            s.validate()
+        defaults, flags = self.defaults.validate(), self.default_settings.validate()
+        models = {ref: s.validate() for ref, s in self.models.items()}
+        if (keep_alive, defaults, flags, models) != (self.keep_alive, self.defaults, self.default_settings,
+                                                     dict(self.models)):
+            return replace(self, keep_alive=keep_alive, defaults=defaults, default_settings=flags, models=models)
         return self
