@@ -42,6 +42,12 @@ __all__ = ["ManageScreen", "ladder_chart", "TASKS"]
 # kind -> (tab title, [(arg, label, placeholder)], hint)
 TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
     "pull": ("Pull", [("source", "Repository", "bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M")], "Download from the Hugging Face Hub (resumable, verified)."),
+    "import": (
+        "Import",
+        [("source", "GGUF file", "~/Downloads/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"),
+         ("name", "Name (optional)", "qwen2.5-coder-1.5b-instruct (default: from the file name)")],
+        "A .gguf file on this machine: validated, copied into the store, listed under a name.",
+    ),
     "convert": (
         "Convert",
         [("source", "HF model folder", "./SmolLM2-360M-Instruct"), ("outtype", "Out type", "f16 (or f32, bf16, q8_0)")],
