@@ -307,3 +307,19 @@ def test_a_reply_cancelled_before_its_first_token_is_dropped(make_app, backend):
             assert turns(backend.calls[1][1]) == [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
 
     run(main())
+
+
+def test_a_model_without_a_chat_template_is_said(make_app, backend):
+    """A base model (no chat template) is chatted with through ChatML, which it never learned: the
+    app says so when the model is loaded instead of leaving the user to wonder at its replies."""
+    backend.no_template = {"smollm2-135m-instruct:q4_1"}
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: any("no chat template" in n.message for n in app._notifications),
+                           what="the note")
+            note = next(n for n in app._notifications if "no chat template" in n.message)
+            assert note.severity == "warning" and "smollm2-135m-instruct:q4_1" in note.message
+
+    run(main())

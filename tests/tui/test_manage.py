@@ -170,6 +170,19 @@ def test_the_models_table_fits_100_columns(make_app, backend):
     run(main())
 
 
+def test_the_import_tab_imports_a_file_under_a_name(make_app, backend):
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await _open_manage(pilot, app)
+            await _start(pilot, screen, "import", source="/home/me/model.gguf", name="mine")
+            await wait_for(pilot, lambda: "done" in str(screen.query_one("#import-result").render()))
+            assert backend.tasks == [("import", {"source": "/home/me/model.gguf", "name": "mine"})]
+            await wait_for(pilot, lambda: screen.query_one("#manage-models").row_count == 4, what="the model listed")
+
+    run(main())
+
+
 def test_progress_events_of_the_library_map_to_bars():
     """The library's own progress events, as the manage screen shows them."""
     from pathlib import Path
