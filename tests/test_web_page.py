@@ -170,11 +170,15 @@ def test_stop_stops_the_reply_and_frees_the_slot(page, server):
     # the server ended it as cancelled; with its one slot free, the next message is answered
     metrics = httpx.get(base(server) + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
     assert re.search(r'reason="cancelled"\} [1-9]', metrics), metrics
-    settings(page, temperature="0", **{"max-tokens": "8"})
+    settings(page, temperature="0", system="Answer in one word.", **{"max-tokens": "8"})
     send(page, "Say hi.")
     expect(page.locator(".message.assistant")).to_have_count(2)
     expect(page.locator("#send")).to_be_enabled()
     assert re.search(r"· (done|max tokens) · ", page.text_content("#stats"))
+    sent = [r.post_data_json for r in page.requests if r.url.endswith("/chat/completions")][-1]
+    assert sent["messages"][0] == {"role": "system", "content": "Answer in one word."}
+    assert (sent["temperature"], sent["max_tokens"], sent["speculation"]) == (0, 8, "off")
+    assert sent["messages"][-1] == {"role": "user", "content": "Say hi."} and len(sent["messages"]) == 4
     assert reply.first.text_content() == kept  # the stopped reply stays as it was
     assert page.evaluate("localStorage.getItem('edgeinfer.apiKey')") == KEY  # "remember" keeps it
 
