@@ -46,6 +46,7 @@ from .reply import OpenAIReply, Reply, ReplyContext, ReplyFactory
 from .routing import acquire, keep_alive_field, model_field, models_body, plan_for, ps_body, stop_model
 from .slots import handle_slots
 from .tools import prepare_chat
+from . import webpage
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
@@ -440,7 +441,7 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
     if isinstance(models, edgeinfer.BatchEngine):
         models = ModelService.adopt(models)
     service = _Service(models, config)
-    open_paths = {"/health"}
+    open_paths = {"/health", *webpage.PAGE_PATHS}  # the chat page asks for the key itself
 
     def endpoint(name: str, handler, shape: ErrorShape = OPENAI):
         """A route's handler behind the key check, with its errors in its dialect's shape."""
@@ -463,6 +464,8 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
         return run
 
     routes = [
+        Route("/", endpoint("page", webpage.index), methods=["GET"]),  # (and HEAD)
+        Route("/web/{name}", endpoint("page", webpage.asset), methods=["GET"]),
         Route("/v1/chat/completions", endpoint("chat_completions", service.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", service.completions), methods=["POST"]),
         Route("/v1/embeddings", endpoint("embeddings", lambda request: handle_embeddings(service, request)),

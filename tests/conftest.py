@@ -38,7 +38,7 @@ os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
 _LONGEST_FIRST = (
     "test_speculation.py", "test_batch_engine.py", "test_sampling.py", "test_real_speculation_draft.py", "test_server.py",
     "test_quantize.py", "test_cli.py", "test_convert_quantized.py", "test_convert_numeric.py",
-    "test_hub_e2e.py", "test_convert_roundtrip.py", "test_engine.py", "test_real_models.py",
+    "test_hub_e2e.py", "test_convert_roundtrip.py", "test_engine.py", "test_real_models.py", "test_web_page.py",
     "hostile/test_store.py", "test_convert.py", "test_evaluate.py", "test_kv_cache.py",
     "tui/test_end_to_end.py", "tui/test_manage.py", "hostile/test_gguf_fuzz.py", "tui/test_kv_cache_choice.py",
 )
