@@ -62,11 +62,12 @@ def greedy(spec: SpeculationOptions | None = None, n: int = N) -> GenerateOption
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """name -> (f32 GGUF): random Qwen3.5 with MTP (untied, so outputs vary), token-only agreeing /
-    close heads, and one without an MTP layer; each with its HF folder beside it."""
+    close heads, one without an MTP layer, and another random one ("other", a draft model); each
+    with its HF folder beside it."""
     root = tmp_path_factory.mktemp("heads")
     out = {}
     variants = {"random": {}, "agree": {"edit": token_only_mtp("agree")}, "close": {"edit": token_only_mtp("close")},
-                "no-mtp": {"mtp": False}}
+                "no-mtp": {"mtp": False}, "other": {"mtp": False, "seed": 1}}
     for name, kw in variants.items():
         src = make_random_qwen35_model(root / name, tied=False, **kw)
         out[name] = convert_model(src, "f32", root / f"{name}.gguf", register=False).path
@@ -236,6 +237,32 @@ def test_hybrid_target_rolls_back_within_its_snapshots_and_refuses_beyond(engine
         assert "\n" not in str(e.value)
         seq.drop_suffix(len(seq) - ROLLBACK_DEPTH)  # within the snapshots: fine
         assert len(seq) == 3
+
+
+@pytest.mark.parametrize("draft", ["itself", "other", "self=Q8_0"])
+def test_a_draft_model_on_a_hybrid_target_keeps_greedy_output_on_both_faces(models, draft):
+    """A draft model (the target itself, another random Qwen3.5) or a self-draft on a hybrid target,
+    drafting three tokens every step: greedy output is plain's, on an Engine and on a BatchEngine
+    with two requests. (The draft's cost probe after the first token once removed its probe token
+    with a cut the hybrid memory cannot make: the whole prompt went with it.)"""
+    if draft.startswith("self="):
+        spec = SpeculationOptions(method="self", self_quant=draft.partition("=")[2], **FIXED)
+    else:
+        spec = SpeculationOptions(method="draft", draft_model=str(models["random" if draft == "itself" else draft]),
+                                  **FIXED)
+    with edgeinfer.load(models["random"], n_ctx=1024) as engine:
+        plain = [engine.generate(p, greedy()).result().tokens for p in PROMPTS[:2]]
+        engine.prepare_speculation(spec)
+        for prompt, reference in zip(PROMPTS[:2], plain):
+            fast = engine.generate(prompt, greedy(spec)).result()
+            assert fast.tokens == reference
+            assert fast.stats.speculation.drafted >= N // 2, fast.stats.speculation.to_dict()  # a draft every step
+            accounting(fast.stats.speculation, fast.tokens)
+        with BatchEngine.load(models["random"], batch=BatchOptions(parallel=2, calibrate_when_idle=False), n_ctx=1024,
+                              speculation=spec) as be:
+            for prompt, reference, d in zip(PROMPTS, plain, concurrently(be, PROMPTS[:2], greedy(spec))):
+                assert d.stats.speculation.drafted >= N // 2, d.stats.speculation.to_dict()
+                assert_same_or_near_tie(engine, prompt, reference, d.tokens)
 
 
 def test_a_batch_engine_without_rollback_says_why_it_does_not_speculate(models):
