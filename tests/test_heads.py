@@ -130,6 +130,43 @@ def test_mtp_through_a_batch_engine_at_1_and_4_requests(models, engines):
         assert m.drafted > 0 and m.rows > m.steps
 
 
+@pytest.mark.parametrize("where", ["after_decode", "accept"])
+def test_a_head_that_raises_mid_step_turns_off_only_its_requests_speculation(models, engines, where, monkeypatch):
+    """Whatever a head raises after a target decode (taking the hidden rows, or following a
+    verification) switches off the speculation of the requests it drafts for, which go on plain
+    with plain's output and say why; a lookup request beside them and the engine go on."""
+    from edgeinfer.engine.speculation.heads import HeadContext
+
+    real = getattr(HeadContext, where)
+    calls = []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise SpeculationError(f"the mtp head's cache refused to drop positions (in {where})")
+        return real(self, *args)
+
+    monkeypatch.setattr(HeadContext, where, failing)
+    single = engines("random")
+    plain = [single.generate(p, greedy()).result().tokens for p in PROMPTS[:3]]
+    mtp, lookup = SpeculationOptions(method="mtp", **FIXED), SpeculationOptions(method="lookup", **FIXED)
+    with BatchEngine.load(models["random"], batch=BatchOptions(parallel=3, calibrate_when_idle=False), n_ctx=1024,
+                          speculation="mtp") as be:
+        gens = [be.submit(p, greedy(spec)) for p, spec in zip(PROMPTS, (mtp, mtp, lookup))]
+        done = [g.result() for g in gens]
+        assert len(calls) > 5
+        for prompt, reference, d in zip(PROMPTS, plain, done):
+            assert_same_or_near_tie(single, prompt, reference, d.tokens)
+        off = [d for d in done[:2] if "speculation off" in d.stats.speculation.note and where in d.stats.speculation.note]
+        # a head's hand-over fails for every request it drafts for; following a verification, for that one
+        assert len(off) == (2 if where == "after_decode" else 1), [d.stats.speculation for d in done]
+        assert all(d.stats.speculation.drafted > 0 for d in done[:2])
+        assert done[2].stats.speculation.note == ""
+        assert be.failure is None and "error" not in be.metrics().requests_finished
+        again = be.submit(PROMPTS[0], greedy(mtp)).result()  # the head drafts again (reset)
+        assert again.tokens == plain[0] and again.stats.speculation.drafted > 0
+
+
 def test_mtp_head_sees_the_targets_hidden_states_and_drafts_what_numpy_says(models, monkeypatch):
     """White-box, on a BatchEngine with two concurrent requests: the rows the head kept for each
     slot are the target's final hidden states at those positions (numpy), and each first drafted

@@ -194,6 +194,16 @@ class DraftContext:
                     still.append(j)
             active = still
 
+    def forget(self, slots: list[int]) -> None:
+        """After a failed draft: what these slots' sequences hold is not trusted; each is read again
+        at its next draft."""
+        for slot in slots:
+            seq = self.seqs[slot]
+            try:
+                seq.clear()
+            finally:
+                seq.forget()
+
     def release(self, slot: int) -> None:
         """Nothing to free per request: the slot's sequence keeps its cache for the next one."""
 

@@ -174,6 +174,10 @@ class HeadContext:
             self._known = [[] for _ in range(self.n_slots)]
             self._entries = [0] * self.n_slots
 
+    def forget(self, slots: list[int]) -> None:
+        """After a failure: nothing it holds is trusted (the slots share its context): a reset."""
+        self.reset()
+
     def reusable(self, slot: int, cached: list[int]) -> int:
         """How much of the target's cached sequence the head can follow on (a new request reuses no
         more of it: the target reads the rest again and the head sees it)."""
