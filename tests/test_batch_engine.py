@@ -295,6 +295,62 @@ def test_a_slow_reader_pauses_only_its_own_request(f16_path):
 
 
 @pytest.mark.slow
+def test_metrics_polled_while_eight_streams_run_and_end_never_fail(f16_path):
+    """metrics() polled from another thread while 8 streams run and end one after another, ten
+    times over: no call fails, and the counters add up. A thread switched out between reading a
+    slot's request and using it would meet a request the scheduler has just ended; the test opens
+    that window wide (another thread's read of a busy slot's request takes a millisecond), so a
+    metrics() that read the core's slots mid-step fails within a round or two."""
+    from edgeinfer.engine.core.scheduler import Slot
+
+    poller: list[threading.Thread] = []
+
+    class PreemptedSlot(Slot):
+        @property
+        def request(self):
+            value = self.__dict__["request"]
+            if value is not None and threading.current_thread() in poller:
+                time.sleep(0.001)  # switched out after the read: the scheduler runs meanwhile
+            return value
+
+        @request.setter
+        def request(self, value):
+            self.__dict__["request"] = value
+
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False) as be:
+        for s in be._core.slots:
+            s.__class__ = PreemptedSlot
+        stop = threading.Event()
+        failures: list[BaseException] = []
+        polls = [0]
+
+        def poll() -> None:
+            while not stop.is_set():
+                try:
+                    be.metrics()
+                    polls[0] += 1
+                except BaseException as e:  # noqa: BLE001 - what the test is about
+                    failures.append(e)
+                time.sleep(0.0005)  # (the scheduler takes the engine's lock between steps too)
+
+        poller.append(threading.Thread(target=poll))
+        poller[0].start()
+        try:
+            generated = 0
+            for _ in range(10):  # streams of 2..16 tokens: they end one after another
+                gens = [be.generate(f"Count from {i} to {i + 20}:", greedy(2 + 2 * i)) for i in range(8)]
+                generated += sum(len(g.result().tokens) for g in gens)
+        finally:
+            stop.set()
+            poller[0].join(30)
+        assert not failures, f"{len(failures)} of {polls[0] + len(failures)} metrics() calls failed: {failures[0]!r}"
+        m = be.metrics()
+        assert polls[0] > 80 and sum(m.requests_finished.values()) == m.requests_submitted == 80
+        assert m.generated_tokens == generated and m.active == 0 and not any(s.busy for s in m.slots)
+
+
+@pytest.mark.slow
 def test_bad_requests_are_refused_before_queueing(f16_batch):
     with pytest.raises(edgeinfer.ContextLengthError):
         f16_batch.submit([1] * f16_batch.n_ctx, greedy(4))

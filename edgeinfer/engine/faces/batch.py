@@ -207,6 +207,7 @@ class BatchEngine(ModelFace):
         self._closing = False
         self._closed = False
         self._dead: BaseException | None = None
+        self._read_core()  # (before the scheduler thread: from then on, it refreshes what metrics() reads)
         try:
             if speculation is not None:
                 self.prepare_speculation(speculation, progress=progress)
@@ -350,29 +351,34 @@ class BatchEngine(ModelFace):
             self._cond.notify_all()
 
     def metrics(self) -> BatchMetrics:
-        core = self._core
+        """Counters and state as the scheduler thread last left them between two steps (the core's
+        slots and requests are its own: read from another thread mid-step, a slot's request could
+        end between a check and its use)."""
         with self._cond:
-            slots = tuple(
-                SlotMetrics(s.index, s.request is not None, len(s.seq),
-                            s.request.decode_tok_s() if s.request is not None else s.decode_tok_s)
-                for s in core.slots
-            )
-            c = core.counters
-            return BatchMetrics(
-                requests_submitted=self._submitted,
-                requests_finished=dict(core.finished),
-                prompt_tokens=c.prompt_tokens,
-                cached_prompt_tokens=c.cached_tokens,
-                generated_tokens=c.generated + sum(len(r.generated) for r in core.active),
-                queue_depth=len(self._inbox) + len(core.waiting),
-                active=len(core.active),
-                steps=c.steps,
-                rows=c.rows,
-                drafted=c.drafted,
-                accepted=c.accepted,
-                slots=slots,
-                calibrating=self._calibration is not None and self._calibration.pending(),
-            )
+            return replace(self._core_metrics, requests_submitted=self._submitted,
+                           queue_depth=self._core_metrics.queue_depth + len(self._inbox),
+                           calibrating=self._calibration is not None and self._calibration.pending())
+
+    def _read_core(self) -> None:
+        """(the scheduler thread, holding self._cond, between steps) What metrics() reports of the core."""
+        core = self._core
+        c = core.counters
+        self._core_metrics = BatchMetrics(
+            requests_submitted=0,
+            requests_finished=dict(core.finished),
+            prompt_tokens=c.prompt_tokens,
+            cached_prompt_tokens=c.cached_tokens,
+            generated_tokens=c.generated + sum(len(r.generated) for r in core.active),
+            queue_depth=len(core.waiting),
+            active=len(core.active),
+            steps=c.steps,
+            rows=c.rows,
+            drafted=c.drafted,
+            accepted=c.accepted,
+            slots=tuple(SlotMetrics(s.index, s.request is not None, len(s.seq),
+                                    s.request.decode_tok_s() if s.request is not None else s.decode_tok_s)
+                        for s in core.slots),
+        )
 
     def cost_curve(self) -> dict[int, float]:
         """Seconds of one decode by number of rows at depth 0, as measured (the idle calibration,
@@ -492,6 +498,7 @@ class BatchEngine(ModelFace):
                 with self._cond:
                     while self._inbox:
                         core.submit(self._inbox.popleft())
+                    self._read_core()  # after each step, calibration decode or slot call
                     calls = self._take_slot_calls()
                     if calls:
                         calibrate = False
