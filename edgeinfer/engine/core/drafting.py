@@ -17,19 +17,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..llama.runtime import DecodeRows
-from ..speculation.policy import plan_drafts
+from ..llama.runtime import DecodeRows, LlamaRuntime
+from ..speculation.heads import HeadContext
+from ..speculation.policy import CostModel, plan_drafts
 from ..speculation.request_speculation import Proposal
 from .request import RequestState
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 __all__ = ["plan", "heads_after_decode", "observe", "speculation_failed"]
 
 log = logging.getLogger(__name__)
+
+
+class StepCore(Protocol):
+    """What drafting reads of the scheduler core (engine/core/scheduler.py's Scheduler)."""
+
+    runtime: LlamaRuntime
+    costs: CostModel
+    slot_ctx: int
+    draft_max_rows: int
+    margin: float
+    split: bool
+    heads: Callable[[], list[HeadContext]] | None
+    active: list[RequestState]
+
+    def step_cost(self, shape: list[tuple[int, int]]) -> float: ...
 
 
 def speculation_failed(r: RequestState, error: BaseException) -> None:
@@ -60,7 +73,7 @@ def _forget(context: Any, slots: list[int]) -> None:
         log.exception("the %s drafter could not forget its failed drafts", context.method)
 
 
-def plan(core: Scheduler, decoding: list[RequestState], chunks: list[tuple[RequestState, int]]) -> list[Proposal | None]:
+def plan(core: StepCore, decoding: list[RequestState], chunks: list[tuple[RequestState, int]]) -> list[Proposal | None]:
     """Each decoding request's proposal, sized for the whole batch (see plan_drafts), and what
     a draft model then drafted for it."""
     base_rows = len(decoding) + sum(n for _, n in chunks)
@@ -148,7 +161,7 @@ def plan(core: Scheduler, decoding: list[RequestState], chunks: list[tuple[Reque
     return out
 
 
-def heads_after_decode(core: Scheduler, rows: DecodeRows) -> None:
+def heads_after_decode(core: StepCore, rows: DecodeRows) -> None:
     """Hand every head the rows the target just decoded (prompt chunks included); a head that
     raises forgets everything, and the requests it drafts for go on plain."""
     for head in core.heads() if core.heads is not None else ():
