@@ -207,7 +207,6 @@ class BatchEngine(ModelFace):
         self._closing = False
         self._closed = False
         self._dead: BaseException | None = None
-        self._read_core()  # (before the scheduler thread: from then on, it refreshes what metrics() reads)
         try:
             if speculation is not None:
                 self.prepare_speculation(speculation, progress=progress)
@@ -351,34 +350,33 @@ class BatchEngine(ModelFace):
             self._cond.notify_all()
 
     def metrics(self) -> BatchMetrics:
-        """Counters and state as the scheduler thread last left them between two steps (the core's
-        slots and requests are its own: read from another thread mid-step, a slot's request could
-        end between a check and its use)."""
-        with self._cond:
-            return replace(self._core_metrics, requests_submitted=self._submitted,
-                           queue_depth=self._core_metrics.queue_depth + len(self._inbox),
-                           calibrating=self._calibration is not None and self._calibration.pending())
-
-    def _read_core(self) -> None:
-        """(the scheduler thread, holding self._cond, between steps) What metrics() reports of the core."""
+        """Counters and state now. The core steps on its own thread meanwhile, so every shared
+        reference is read once and used as read (a slot's request checked and then read again
+        could be one the scheduler has just ended: /metrics answered 500 under load)."""
         core = self._core
-        c = core.counters
-        self._core_metrics = BatchMetrics(
-            requests_submitted=0,
-            requests_finished=dict(core.finished),
-            prompt_tokens=c.prompt_tokens,
-            cached_prompt_tokens=c.cached_tokens,
-            generated_tokens=c.generated + sum(len(r.generated) for r in core.active),
-            queue_depth=len(core.waiting),
-            active=len(core.active),
-            steps=c.steps,
-            rows=c.rows,
-            drafted=c.drafted,
-            accepted=c.accepted,
-            slots=tuple(SlotMetrics(s.index, s.request is not None, len(s.seq),
-                                    s.request.decode_tok_s() if s.request is not None else s.decode_tok_s)
-                        for s in core.slots),
-        )
+        with self._cond:
+            slots = []
+            for s in core.slots:
+                r = s.request
+                slots.append(SlotMetrics(s.index, r is not None, len(s.seq),
+                                         r.decode_tok_s() if r is not None else s.decode_tok_s))
+            active = list(core.active)
+            c = core.counters
+            return BatchMetrics(
+                requests_submitted=self._submitted,
+                requests_finished=dict(core.finished),
+                prompt_tokens=c.prompt_tokens,
+                cached_prompt_tokens=c.cached_tokens,
+                generated_tokens=c.generated + sum(len(r.generated) for r in active),
+                queue_depth=len(self._inbox) + len(core.waiting),
+                active=len(active),
+                steps=c.steps,
+                rows=c.rows,
+                drafted=c.drafted,
+                accepted=c.accepted,
+                slots=tuple(slots),
+                calibrating=self._calibration is not None and self._calibration.pending(),
+            )
 
     def cost_curve(self) -> dict[int, float]:
         """Seconds of one decode by number of rows at depth 0, as measured (the idle calibration,
@@ -498,7 +496,6 @@ class BatchEngine(ModelFace):
                 with self._cond:
                     while self._inbox:
                         core.submit(self._inbox.popleft())
-                    self._read_core()  # after each step, calibration decode or slot call
                     calls = self._take_slot_calls()
                     if calls:
                         calibrate = False
