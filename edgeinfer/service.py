@@ -14,7 +14,9 @@ mapped file), + the draft model it speculates with, where one is named. The serv
 To make room it unloads the least recently used *idle* model (no lease: no request running or
 waiting on it) — never one with running requests; a model whose need exceeds the whole budget is
 an error before anything is unloaded; when every loaded model is busy, a request waits up to
-`room_wait_s` for one to become idle, then gets `NoRoomError`.
+`room_wait_s` for one to become idle, then gets `NoRoomError`. A request that is cancelled (its
+client gone: `acquire(cancel=)`) stops waiting at once, evicts nothing, and a load that no request
+waits for any more is cancelled (between its stages, and within a self-draft's quantization).
 
 Concurrency. One lock guards the bookkeeping only. Loads run in the requesting thread, outside
 the lock, so loads of different models proceed at once and a request for a loaded model never
@@ -57,7 +59,8 @@ from typing import Any, ClassVar
 from .engine.faces.batch import BatchEngine, BatchOptions
 from .engine.faces.speculation_setup import ProgressCallback
 from .engine.core.options import DEFAULT_LOAD, DEFAULT_SPECULATION, LoadOptions, SpeculationOptions
-from .errors import EdgeInferError, InvalidOptionError, ModelNotFoundError
+from .cancel import CancelToken, raise_if_cancelled
+from .errors import Cancelled, EdgeInferError, InvalidOptionError, ModelNotFoundError
 from .fit import available_memory, estimate_memory
 from .gguf_file import GGUFInfo
 from .store import ModelManifest, Store
@@ -422,7 +425,8 @@ class StopResult:
     cancelled: int  # requests that were running or waiting on it
 
 
-Loader = Callable[[ModelPlan, "ProgressCallback | None"], BatchEngine]
+# (plan, progress, cancel): a BatchEngine of the plan; `cancel()` says nobody waits for it any more
+Loader = Callable[[ModelPlan, "ProgressCallback | None", CancelToken], BatchEngine]
 
 
 @dataclass(frozen=True)
@@ -471,6 +475,12 @@ class _Entry:
         self.loaded_at: float | None = None
         self.load_s: float | None = None
         self.pinned = pinned  # the caller's engine: never unloaded by the service
+        self.wanted: list[threading.Event | None] = []  # while loading: the waiting requests' cancels
+
+    @property
+    def abandoned(self) -> bool:
+        """While loading: every request that waited for it was cancelled (None: one that cannot be)."""
+        return bool(self.wanted) and all(c is not None and c.is_set() for c in self.wanted)
 
     @property
     def idle(self) -> bool:
@@ -516,10 +526,11 @@ class Lease:
 
 
 def _load_engine(store: Store) -> Loader:
-    def load(plan: ModelPlan, progress: ProgressCallback | None) -> BatchEngine:
+    def load(plan: ModelPlan, progress: ProgressCallback | None, cancel: CancelToken = None) -> BatchEngine:
         info = admit(plan.path, store, plan.manifest)  # validated, and loaded once in a child process
+        raise_if_cancelled(cancel, f"loading {plan.name}")
         return BatchEngine(plan.path, info, plan.load, plan.batch, manifest=plan.manifest, store=store,
-                           speculation=plan.speculation, progress=progress)
+                           speculation=plan.speculation, progress=progress, cancel=cancel)
 
     return load
 
@@ -685,7 +696,9 @@ class ModelService:
         `keep_alive` (seconds; 0, or negative for ever): how long the model stays once idle after
         this lease, None for its own (serve.toml) or the service's. ModelTooLargeError when it can
         never fit; NoRoomError when every model that would have to go stays busy for room_wait_s
-        (or at once with evict=False, which never unloads another model); the load's own error."""
+        (or at once with evict=False, which never unloads another model); the load's own error.
+        `cancel` (set when the request's client has gone): Cancelled instead of waiting on, and the
+        load this request started or waits for is cancelled once no request waits for it."""
         if keep_alive is not None:
             keep_alive = parse_duration(keep_alive)
         plan = self.plan(model)
@@ -721,6 +734,8 @@ class ModelService:
                     self._wait(deadline, cancel, plan)
                     continue
                 else:
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled(f"the request for {plan.name} was cancelled")  # no eviction for nobody
                     victims_or_none = self._make_room(plan, evict)
                     if victims_or_none is None:
                         self._wait(deadline, cancel, plan)
@@ -728,34 +743,65 @@ class ModelService:
                     victims = victims_or_none
                     entry = _Entry(plan, self._keep_alive_of(plan))
                     entry.leases = 1  # the loader's own lease: nothing unloads it before its request runs
+                    entry.wanted.append(cancel)
                     self._entries[plan.key] = entry
+                if wait_load is not None:
+                    wait_load.wanted.append(cancel)
             if dead is not None:
                 self._close_entry(dead, 0.0)
                 continue
             if wait_load is not None:
-                wait_load.done.wait()
-                if wait_load.error is not None:
-                    raise _copy_error(wait_load.error)
+                self._wait_for_load(wait_load, cancel)
                 continue
             return self._load(entry, victims, keep_alive)
 
+    def _wait_for_load(self, entry: _Entry, cancel: threading.Event | None) -> None:
+        """Wait for another request's load of the model (this request's `cancel` counted among
+        those who want it); its error, unless the load was cancelled for lack of anyone waiting
+        while this request still does (then the caller loads it again)."""
+        while not entry.done.wait(0.1):
+            if cancel is not None and cancel.is_set():
+                break
+        with self._cond:
+            entry.wanted.remove(cancel)
+            self._cond.notify_all()
+        if not entry.done.is_set():
+            raise Cancelled(f"the request for {entry.plan.name} was cancelled while it loaded")
+        if entry.error is not None and not (isinstance(entry.error, Cancelled) and
+                                            not (cancel is not None and cancel.is_set())):
+            raise _copy_error(entry.error)
+
+    def _abandoned(self, entry: _Entry) -> bool:
+        with self._cond:
+            return entry.abandoned
+
     def _load(self, entry: _Entry, victims: list[_Entry], keep_alive: float | None) -> Lease:
         plan = entry.plan
-        for v in victims:
-            log.info("unloading %s to make room for %s (idle %.1f s)", v.plan.name, plan.name,
-                     time.monotonic() - v.last_used)
-            self._close_entry(v, 0.0)
         started = time.perf_counter()
         try:
-            engine = self._loader(plan, self._progress)
+            for v in victims:
+                raise_if_cancelled(lambda: self._abandoned(entry), f"loading {plan.name}")
+                log.info("unloading %s to make room for %s (idle %.1f s)", v.plan.name, plan.name,
+                         time.monotonic() - v.last_used)
+                self._close_entry(v, 0.0)
+                victims = victims[1:]
+            engine = self._loader(plan, self._progress, lambda: self._abandoned(entry))
         except BaseException as e:
+            if victims:  # not unloaded after all: idle again
+                with self._cond:
+                    for v in victims:
+                        v.state = "ready"
+                    self.evictions -= len(victims)
             with self._cond:
                 entry.error = e
                 if self._entries.get(plan.key) is entry:
                     del self._entries[plan.key]
                 entry.done.set()
                 self._cond.notify_all()
-            log.info("loading %s failed: %s", plan.name, e)
+            if isinstance(e, Cancelled):
+                log.info("loading %s cancelled: no request waits for it any more", plan.name)
+            else:
+                log.info("loading %s failed: %s", plan.name, e)
             raise
         load_s = time.perf_counter() - started
         exact = self._plan_for(plan.path, plan.manifest, settings=self._settings(plan.key), engine=engine)
@@ -803,7 +849,9 @@ class ModelService:
     def _wait(self, deadline: float, cancel: threading.Event | None, plan: ModelPlan) -> None:
         """(holds the lock) Wait for a change (a release, an unload), up to the deadline."""
         left = deadline - time.monotonic()
-        if left <= 0 or (cancel is not None and cancel.is_set()):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"the request for {plan.name} was cancelled while it waited for room")
+        if left <= 0:
             busy = [e.plan.name for e in self._entries.values() if not e.idle]
             raise NoRoomError(
                 f"no room for {plan.name} (~{_gb(plan.memory.total)}): {', '.join(busy) or 'the loaded models'} "

@@ -40,7 +40,7 @@ from .config import ServerConfig, check_credentials
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
-from .routing import acquire, keep_alive_field, model_field, models_body, plan_for, ps_body, stop_model
+from .routing import acquire, keep_alive_field, model_field, models_body, on_disconnect, plan_for, ps_body, stop_model
 from .slots import handle_slots
 from .tools import prepare_chat
 
@@ -260,7 +260,7 @@ class _Service:
                        keep_alive: float | None) -> Response:
         admitted = self.admit(plan)
         try:
-            lease = await acquire(self.models, parsed.model, keep_alive)
+            lease = await acquire(self.models, parsed.model, keep_alive, request)
         except BaseException:
             admitted()
             raise
@@ -307,7 +307,7 @@ class _Service:
                 release()
 
             return _EventStream(self._stream(request, gen, wake, responder), close)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:  # the lease is held until the response is built (logprobs read the model's vocabulary)
             try:
                 tokens_seen: list[edgeinfer.TokenEvent] = []
@@ -334,7 +334,7 @@ class _Service:
             release()
 
     async def _stream(self, request: Request, gen, wake: asyncio.Event, responder: Responder) -> AsyncIterator[str]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:
             first = responder.first_chunk()
             if first is not None:
@@ -417,14 +417,6 @@ async def _events(gen, wake: asyncio.Event, keepalive_s: float | None) -> AsyncI
                 yield []
 
 
-async def _cancel_on_disconnect(request: Request, gen) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gen.cancel()
-            return
-
-
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -448,8 +440,8 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
                 response = await handler(request)
             except APIError as e:
                 response = e.response()
-            except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing went wrong
-                log.debug("%s: the client disconnected before its request body was complete", name)
+            except ClientDisconnect:  # gone while sending its body or waiting for its model: nobody to answer
+                log.debug("%s: the client disconnected before its answer began", name)
                 response = Response(status_code=CLIENT_GONE)
             except Exception:  # the server keeps serving; the client gets a 500 object
                 log.exception("%s failed", name)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ...cancel import CancelToken, raise_if_cancelled
 from ...errors import ContextLengthError, EdgeInferError, EngineBusyError, EngineClosedError, InvalidOptionError
 from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
@@ -161,6 +162,7 @@ class BatchEngine(ModelFace):
         store: Store | None = None,
         speculation: SpeculationOptions | str | None = None,
         progress: ProgressCallback | None = None,
+        cancel: CancelToken = None,
     ):
         self.path = Path(path)
         self.info = info
@@ -208,8 +210,9 @@ class BatchEngine(ModelFace):
         self._closed = False
         self._dead: BaseException | None = None
         try:
+            raise_if_cancelled(cancel, f"loading {self.name}")
             if speculation is not None:
-                self.prepare_speculation(speculation, progress=progress)
+                self.prepare_speculation(speculation, progress=progress, cancel=cancel)
         except BaseException:
             self._drafts.close()
             rt.close()
@@ -272,13 +275,15 @@ class BatchEngine(ModelFace):
 
     # -- speculation -----------------------------------------------------------------------------
     def prepare_speculation(self, speculation: SpeculationOptions | str, *,
-                            progress: ProgressCallback | None = None) -> None:
+                            progress: ProgressCallback | None = None, cancel: CancelToken = None) -> None:
         """Open the draft model `speculation` needs (a self-draft is made by the quantizer on first
-        use) and make it the engine's method: requests may then use it, or off, or lookup."""
+        use) and make it the engine's method: requests may then use it, or off, or lookup.
+        `cancel` (an Event or a callable) stops a self-draft's quantization with `Cancelled`."""
         self._check_open()
         spec = SpeculationOptions.parse(speculation) if isinstance(speculation, str) else speculation.validate()
         # A head, or a hybrid model's rollback snapshots, change the context: only before the thread runs.
-        self._drafts.prepare(spec, progress, exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
+        self._drafts.prepare(spec, progress, cancel,
+                             exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
         self.speculation = spec
 
     def _check_speculation(self, spec: SpeculationOptions) -> None:
