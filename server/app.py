@@ -281,8 +281,9 @@ class _Service:
                 tokens = list(parsed.prompt)
             loop = asyncio.get_running_loop()
             wake = asyncio.Event()
-            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
-                                notify=lambda: loop.call_soon_threadsafe(wake.set))
+            # (the check compiles a grammar against the vocabulary: in a worker thread, as the parse)
+            gen = await run_in_threadpool(lambda: engine.submit(tokens, options, logprobs=parsed.logprobs,
+                                                                notify=lambda: loop.call_soon_threadsafe(wake.set)))
             if tools is not None:  # content and tool calls parsed out of the text
                 gen = tools.wrap(gen)
         except edgeinfer.EdgeInferError as e:
@@ -361,15 +362,16 @@ class _Service:
         body = await self.read_json(request)
         plan = await plan_for(self.models, model_field(body))  # the model's context and speculation
         keep_alive = keep_alive_field(body)
-        return await self.generate(request, parse_chat(body, self.max_tokens_limit(plan), plan.speculation), plan,
-                                   keep_alive)
+        # (a schema or grammar is compiled and checked while parsing: in a worker thread, not on the event loop)
+        parsed = await run_in_threadpool(parse_chat, body, self.max_tokens_limit(plan), plan.speculation)
+        return await self.generate(request, parsed, plan, keep_alive)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
         plan = await plan_for(self.models, model_field(body))
         keep_alive = keep_alive_field(body)
-        return await self.generate(request, parse_completion(body, self.max_tokens_limit(plan), plan.speculation),
-                                   plan, keep_alive)
+        parsed = await run_in_threadpool(parse_completion, body, self.max_tokens_limit(plan), plan.speculation)
+        return await self.generate(request, parsed, plan, keep_alive)
 
     async def models_list(self, request: Request) -> Response:
         return JSONResponse(await run_in_threadpool(models_body, self.models, self.started))

@@ -364,6 +364,7 @@ class Scheduler:
             r.end("cancelled")
             self._count("cancelled")
             r.flush()
+            r.release()
         free = [s for s in self.slots if s.request is None]
         while self.waiting and free:
             r = self.waiting.pop(0)
@@ -436,7 +437,8 @@ class Scheduler:
         r.t_admit = time.perf_counter()
         r.stats.queue_s = r.t_admit - r.t_submit
         self.active.append(r)
-        r.sampler = Sampler.for_request(rt, r.options)
+        if r.sampler is None:  # (a request with a grammar brings the one compiled when it was checked)
+            r.sampler = Sampler.for_request(rt, r.options)
         spec = r.options.speculation
         if spec.method != "off" and (not rt.facts.recurrent or rt.n_rs_seq > 0):
             stats = SpeculationStats()

@@ -47,6 +47,7 @@ from ..llama.flash_choice import with_measured_flash_attn
 from ..llama.runtime import LlamaRuntime
 from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler
 from ..core.sequence import KVSequence
 from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
@@ -308,10 +309,15 @@ class BatchEngine(ModelFace):
         return self._with_tools(messages, options, tools, tool_choice, parallel_tool_calls,
                                 lambda tokens, opts: self.submit(tokens, opts, **kw))
 
-    def check_request(self, tokens: Sequence[int], options: GenerateOptions | None = None) -> GenerateOptions:
-        options = super().check_request(tokens, options)
-        self._check_speculation(options.speculation)
-        return options
+    def _checked(self, tokens: Sequence[int], options: GenerateOptions | None) -> tuple[GenerateOptions, Sampler | None]:
+        options, sampler = super()._checked(tokens, options)
+        try:
+            self._check_speculation(options.speculation)
+        except BaseException:
+            if sampler is not None:
+                sampler.close()
+            raise
+        return options, sampler
 
     def submit(
         self,
@@ -328,14 +334,16 @@ class BatchEngine(ModelFace):
         time events arrive; it must not block."""
         self._check_open()
         tokens = self._token_ids(tokens)
-        options = self.check_request(tokens, options)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= 20):
             raise InvalidOptionError(f"logprobs must be an integer in [0, 20], got {logprobs!r}")
+        options, sampler = self._checked(tokens, options)
         ch = Channel(notify, self._wake, self._thread.is_alive, self.batch_options.max_backlog)
-        req = RequestState(tokens, options, ch.push, logprobs=logprobs)
+        req = RequestState(tokens, options, ch.push, logprobs=logprobs, sampler=sampler)
         req.backlog = ch.backlog
         with self._cond:
+            if self._closing or self._closed or self._dead is not None:
+                req.release()
             if self._closing or self._closed:
                 raise EngineClosedError("this engine is shutting down")
             if self._dead is not None:
@@ -553,3 +561,4 @@ class BatchEngine(ModelFace):
         for r in requests:
             if not r.finished:
                 r.fail(failure if not isinstance(error, EdgeInferError) else error)
+            r.release()
