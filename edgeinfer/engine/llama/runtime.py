@@ -397,9 +397,12 @@ class LlamaRuntime:
     def decode_batch(self, rows: DecodeRows) -> None:
         """One llama_decode of `rows` (len <= n_batch), which may belong to different sequences.
 
-        The caller tracks what each sequence holds. On an abort (the abort callback, inside
-        `abortable()`) every position the batch wrote is removed again and DecodeAborted (or the
-        KeyboardInterrupt that caused it) is raised; rc 1 (no room) is a ContextLengthError."""
+        The caller tracks what each sequence holds. llama_decode's code says what happened,
+        never the abort flag alone (it may be set for a decode that failed on its own): 2, an
+        abort (the abort callback, inside `abortable()`): every position the batch wrote is
+        removed again and DecodeAborted (or the KeyboardInterrupt that caused it) is raised; 1 (no
+        room) is a ContextLengthError; -1, a batch it refused (nothing written), and below -1, a
+        failure (whatever it wrote is removed), are InvalidModelError."""
         self._check_open()
         n = len(rows)
         if n == 0 or n > self.n_batch:
@@ -417,16 +420,19 @@ class LlamaRuntime:
         rc = self._ll.llama_decode(self.ctx, b)
         if rc == 0:
             return
-        if rc == 2 or self.abort_flag.is_set():
-            # An aborted decode may have written part of the batch: forget what we cannot trust.
+        if rc == 2 or rc < -1:
+            # An aborted or failed decode may have written part of the batch: forget what we cannot trust.
             for seq, p0 in rows.starts().items():
                 self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1)
+        if rc == 2:
             if self._interrupted:
                 self._interrupted = False
                 raise KeyboardInterrupt
             raise DecodeAborted()
         if rc == 1:
             raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")
+        if rc == -1:
+            raise InvalidModelError(f"llama_decode refused the batch of {n} rows as invalid (code -1)")
         raise InvalidModelError(f"llama_decode failed with code {rc}")
 
     def logits_row(self, i: int) -> np.ndarray:
