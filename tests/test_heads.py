@@ -139,10 +139,11 @@ def test_a_head_that_raises_mid_step_turns_off_only_its_requests_speculation(mod
 
     real = getattr(HeadContext, where)
     calls = []
+    fail_at = 12 if where == "after_decode" else 5  # (after every request has drafted: prompts take some decodes)
 
     def failing(self, *args):
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == fail_at:
             raise SpeculationError(f"the mtp head's cache refused to drop positions (in {where})")
         return real(self, *args)
 
@@ -154,7 +155,7 @@ def test_a_head_that_raises_mid_step_turns_off_only_its_requests_speculation(mod
                           speculation="mtp") as be:
         gens = [be.submit(p, greedy(spec)) for p, spec in zip(PROMPTS, (mtp, mtp, lookup))]
         done = [g.result() for g in gens]
-        assert len(calls) > 5
+        assert len(calls) > fail_at
         for prompt, reference, d in zip(PROMPTS, plain, done):
             assert_same_or_near_tie(single, prompt, reference, d.tokens)
         off = [d for d in done[:2] if "speculation off" in d.stats.speculation.note and where in d.stats.speculation.note]
