@@ -303,6 +303,31 @@ def test_a_draft_model_on_a_hybrid_target_keeps_greedy_output_on_both_faces(mode
                 assert_same_or_near_tie(engine, prompt, reference, d.tokens)
 
 
+def test_the_cost_curve_of_a_hybrid_target_is_timed_at_the_depths_asked(engines, monkeypatch):
+    """measure_decode_costs (edgeinfer bench's curve): every size is timed right after exactly the
+    context depth it is for, also on a hybrid target, whose memory cannot drop what a decode
+    appended (the sequence is filled again; cutting it emptied it, and every later size was timed
+    at depth 0)."""
+    from edgeinfer.engine.core.sequence import KVSequence
+    from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES
+
+    seen: list[tuple[int, int]] = []  # (tokens the sequence held, tokens decoded) of each decode
+    real = KVSequence.decode
+
+    def decode(self, tokens, logits_from=None):
+        seen.append((len(self.cached), len(tokens)))
+        return real(self, tokens, logits_from)
+
+    monkeypatch.setattr(KVSequence, "decode", decode)
+    engine = engines("no-mtp")
+    assert engine._runtime.facts.recurrent
+    costs = engine.measure_decode_costs(list(range(100, 400)), depths=(16, 96), reps=1, save=False)
+    for depth in (16, 96):
+        assert {n for d, n in seen if d == depth} >= set(CALIBRATION_SIZES), (depth, seen)
+    assert costs.t1 > 0 and costs.attention >= 0
+    assert len(engine._scheduler.slots[0].seq) == 0  # cleared after
+
+
 def test_a_batch_engine_without_rollback_says_why_it_does_not_speculate(models):
     with BatchEngine.load(models["random"], batch=BatchOptions(parallel=2, calibrate_when_idle=False),
                           n_ctx=512) as be:
