@@ -1,8 +1,9 @@
 """EdgeInferApp: opens the chat history, loads models, shows the chat screen and help.
 
 The chat screen (chat_screen.py) holds the chats and the open ChatView (chat_view.py), which owns
-the reply being generated; the dialogs live in modals/, the manage screen in manage.py. The app
-keeps what they share: the chat store, the one loaded model (ModelHost) and the key map.
+the reply being generated (reply.py: its buffer and pacing); the dialogs live in modals/, the
+manage screen in manage.py. The app keeps what they share: the chat store, the one loaded model
+(ModelHost) and the key map.
 """
 
 from __future__ import annotations
