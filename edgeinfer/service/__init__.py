@@ -11,7 +11,10 @@ the lock, so loads of different models proceed at once and a request for a loade
 waits for another model's load; requests for a model being loaded wait for that load only.
 Unloads by keep-alive (and keep_alive 0) run on the service's janitor thread, never in the
 releasing thread (a server releases from its event loop). `stop(name)` unloads at once and
-cancels the model's running requests (each ends with finish_reason "cancelled").
+cancels the model's running requests (each ends with finish_reason "cancelled"). A request that is
+cancelled (its client gone: `acquire(cancel=)`) stops waiting at once and evicts nothing, and a
+load that no request waits for any more is cancelled (between its stages, and within a self-draft's
+quantization).
 
     service.py   ModelService: names, plans, leases, loads, stop, ps, catalog, close
     names.py     what a request's model name means; each model file's settings
