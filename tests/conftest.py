@@ -29,6 +29,11 @@ if _WORKERS > 1:
 # The first load of a never-seen GGUF runs in a child process (edgeinfer.validate, 1-4 s a file):
 # off for the suite's known-good files; the tests of that gate (tests/hostile) turn it on.
 os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
+# Engines and `edgeinfer serve` measure their cost curve while idle, on a fresh store each time: ~2
+# minutes of busy cores per test server, and every test file starts its own. Off for the suite
+# (they start from the size prior, as a server's first requests do); the tests of the calibration
+# itself ask for it (BatchOptions(calibrate_when_idle=True)).
+os.environ.setdefault("EDGEINFER_IDLE_CALIBRATION", "0")
 
 # pytest-xdist gives each worker whole files (--dist loadfile). By default it hands out the files
 # with the most tests first, which leaves the few long end-to-end files for last, and one core
