@@ -216,6 +216,29 @@ def qwen_pair() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def qwen_engine(qwen_pair):
+    """The real 1.5B, loaded once per worker for the tests that only generate from it (speculation
+    given per request; a draft model prepared by one test changes no other's answers) and read its
+    logits. Flash attention off: the numerics of the RPC split it is compared with."""
+    import edgeinfer
+
+    with edgeinfer.load(qwen_pair[0], n_ctx=2048, flash_attn=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def qwen_server(qwen_pair, tmp_path_factory):
+    """`edgeinfer serve` on the real 1.5B (one slot, 4096 tokens, max_tokens up to 256), started once
+    per worker for the files that ask for it (structured output, tools: they only send requests)."""
+    from test_server import Server
+
+    s = Server(Path(qwen_pair[0]), tmp_path_factory.mktemp("serve-qwen"), "--parallel", "1", "--ctx", "4096",
+               "--max-tokens-limit", "256")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="session")
 def default_model_copy(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path):
     """`default_model_copy("F16")`: the default model requantized by llama.cpp into that type, made
     once per test run (for all xdist workers) in a store of its own, outside the per-test stores."""
