@@ -373,8 +373,9 @@ def test_bench_shows_the_backend_and_does_not_save_a_remote_run(workers, edgeinf
     import edgeinfer
 
     a, b = workers
+    # (A short flash-attention timing: the default 512 tokens of context, twice, over RPC, were most of the test.)
     r = cli("bench", "--rpc", f"{a.endpoint},{b.endpoint}", "--tensor-split", "1,1,1", "--prompt-tokens", "16",
-            "--decode-tokens", "8", "--repeats", "1")
+            "--decode-tokens", "8", "--repeats", "1", "--flash-depth", "32")
     assert r.returncode == 0, r.stderr
     assert f"layers on CPU 10 + RPC0 {a.endpoint} 11 + RPC1 {b.endpoint} 10 (of 31 layers)" in r.stdout
     manifest = edgeinfer.Store().get("smollm2-135m-instruct:q4_1")
