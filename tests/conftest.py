@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import collections
-import json
-import math
 import os
 import shutil
 import signal
@@ -38,71 +35,14 @@ os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
 # itself ask for it (BatchOptions(calibrate_when_idle=True)).
 os.environ.setdefault("EDGEINFER_IDLE_CALIBRATION", "0")
 
-# pytest-xdist gives each worker whole files (--dist loadfile), in collection order
-# (--no-loadscope-reorder in pyproject.toml). By default it would hand out the files with the most
-# tests first, which leaves the few long end-to-end files for last while one core idles. The files
-# go longest first instead, by their measured seconds in tests/durations.json (the sum of their
-# tests' setup, call and teardown, on 2 workers), which `python -m pytest --record-durations`
-# rewrites from its run. A file it does not name yet goes first: it may be long, and a short one
-# costs the end of the run nothing.
-DURATIONS_FILE = Path(__file__).with_name("durations.json")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--record-durations", action="store_true",
-                     help="write each test file's measured seconds (this run's) into tests/durations.json, "
-                     "the order in which files are handed to the workers")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--record-durations") and (config.option.markexpr or config.option.keyword):
-        raise pytest.UsageError("--record-durations records the whole suite's times: run it without -m or -k")
-
-
-def _test_file(path: Path) -> str | None:
-    """`path` as tests/durations.json names it (relative to tests/), None outside tests/."""
-    try:
-        return path.resolve().relative_to(DURATIONS_FILE.parent).as_posix()
-    except ValueError:
-        return None
-
-
-def _recorded_durations() -> dict[str, float]:
-    try:
-        return {str(k): float(v) for k, v in json.loads(DURATIONS_FILE.read_text()).items()}
-    except FileNotFoundError:
-        return {}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seconds = _recorded_durations()
-
-    def place(item: pytest.Item) -> float:
-        name = _test_file(item.path)
-        return -seconds.get(name, math.inf) if name is not None else 0.0
-
-    items.sort(key=place)  # stable: each file's tests keep their order
-
-
-_measured: collections.Counter[str] = collections.Counter()
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _measured[report.nodeid.split("::", 1)[0]] += report.duration  # (the controller sees every worker's)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    config = session.config
-    if not config.getoption("--record-durations") or hasattr(config, "workerinput"):
-        return
-    seconds = _recorded_durations()
-    for nodeid_path, s in _measured.items():
-        name = _test_file(config.rootpath / nodeid_path)
-        if name is not None:
-            seconds[name] = round(s, 1)
-    seconds = {k: v for k, v in seconds.items() if (DURATIONS_FILE.parent / k).is_file()}  # files since removed
-    ranked = dict(sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0])))
-    DURATIONS_FILE.write_text(json.dumps(ranked, indent=0) + "\n")
+# Test files go to the xdist workers longest first, by measured time (tests/durations.json).
+from file_order import (  # noqa: E402,F401  (hooks, found here by pytest)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 
 
 # The user's real state must never be touched by a test. Remember what it looks like now, point
