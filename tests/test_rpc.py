@@ -212,11 +212,11 @@ def test_layer_assignment_is_llama_cpps(workers, default_model_path):
 
 def test_keepalive_on_the_connections_to_the_workers(workers, default_model_path):
     import edgeinfer
-    from edgeinfer import devices
+    from edgeinfer.devices import connections
 
     eps = tuple(w.endpoint for w in workers)
     with edgeinfer.load(default_model_path, n_threads=1, rpc=eps, tensor_split=(1.0, 1.0, 1.0)), \
-            devices._our_sockets(eps) as socks:
+            connections.our_sockets(eps) as socks:
         assert {e for e, _fd, _s in socks} == set(eps)
         for _e, _fd, s in socks:
             assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1

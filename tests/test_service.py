@@ -233,6 +233,27 @@ def test_stop_unloads_at_once_and_refuses_what_is_not_loaded(store):
             service.stop("no-such-model:q4")
 
 
+def test_a_lease_dropped_without_release_is_reported_and_keeps_its_model():
+    """Releasing a lease is explicit (release() or `with`): one the program drops is a
+    ResourceWarning when it is collected, and the collector does not release it — the model stays
+    leased (busy: never evicted, no keep-alive countdown) until it is stopped."""
+    import gc
+    import warnings
+
+    loader = Loader()
+    with ModelService(ServiceOptions(keep_alive=0), store=Store(), loader=loader) as service:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            service.acquire(DEFAULT)  # the lease is dropped at once
+            gc.collect()
+        said = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert len(said) == 1 and f"lease on {DEFAULT} was never released" in said[0], said
+        (status,) = service.ps()
+        assert status.state == "ready" and status.requests == 1 and status.expires_in_s is None
+        assert not loader.engines[0].closed
+        assert service.stop(DEFAULT).cancelled == 1 and loader.engines[0].closed
+
+
 def test_names_requests_may_use_and_paths_they_may_not(store, tmp_path, f16_path):  # noqa: F811
     loader = Loader()
     (store.root / "serve.toml").write_text(f'[models."{F16}"]\nalias = ["sixteen", "f"]\n')

@@ -279,7 +279,8 @@ class Embedder:
         pooling = options.pooling.lower() if options.pooling is not None else self.declared_pooling
         if pooling is None or pooling == "none":
             raise InvalidOptionError(
-                f"{name} declares no pooling type (it is not an embedding model): choose one (pooling mean, cls or last)")
+                f"{name} declares no pooling type (it is not an embedding model): choose mean, cls or last "
+                "(`--pooling mean` on the command line, the `pooling` field in the API)")
         if pooling == "rank":
             raise InvalidOptionError(f"{name} is a reranker (pooling 'rank'), not an embedding model")
         normalize = self.normalize_default if options.normalize is None else options.normalize

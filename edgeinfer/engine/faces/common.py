@@ -108,8 +108,15 @@ class ModelFace:
         another was assigned, e.g. `engine.chat_template = "chatml"` when the model's is unusable."""
         if self._chosen_template is not None:
             return self._chosen_template
+        return self.info.metadata["tokenizer.chat_template"] if self.has_chat_template else CHATML_TEMPLATE
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template. A base model does not: `chat` then renders
+        ChatML, whose markers such a model never learned (it may print them), so front ends say so
+        and complete the text raw (`edgeinfer run`) unless ChatML was asked for."""
         tpl = self.info.metadata.get("tokenizer.chat_template")
-        return tpl if isinstance(tpl, str) and tpl.strip() else CHATML_TEMPLATE
+        return self._chosen_template is not None or (isinstance(tpl, str) and bool(tpl.strip()))
 
     @chat_template.setter
     def chat_template(self, template: str) -> None:
