@@ -20,6 +20,7 @@ from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOption
 from edgeinfer.engine.faces.batch import plan_drafts
 from edgeinfer.engine.llama.runtime import LlamaRuntime
 from edgeinfer.engine.core.sequence import KVSequence
+from edgeinfer.engine.speculation.calibration import IDLE_CALIBRATION_ENV
 from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES, CostModel
 from greedy_compare import assert_same_or_near_tie
 
@@ -228,6 +229,17 @@ def test_lookup_speculation_keeps_greedy_output(f16_path, f16_single):
         assert be.metrics().drafted == spec.drafted
 
 
+def test_the_idle_calibration_can_be_turned_off_for_every_engine(monkeypatch):
+    """$EDGEINFER_IDLE_CALIBRATION=0 makes not calibrating the default (`edgeinfer serve` too: it
+    takes BatchOptions' defaults); an explicit calibrate_when_idle wins either way."""
+    monkeypatch.setenv(IDLE_CALIBRATION_ENV, "0")
+    assert BatchOptions().calibrate_when_idle is False
+    assert BatchOptions(calibrate_when_idle=True).calibrate_when_idle is True
+    monkeypatch.delenv(IDLE_CALIBRATION_ENV)
+    assert BatchOptions().calibrate_when_idle is True
+    assert BatchOptions(calibrate_when_idle=False).calibrate_when_idle is False
+
+
 @pytest.mark.slow
 def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monkeypatch):
     """With no curve in the store, an idle engine times decodes up to a full ubatch on a sequence
@@ -244,8 +256,8 @@ def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monk
 
     monkeypatch.setattr(KVSequence, "decode", recorded)
     store = edgeinfer.Store(tmp_path / "home")
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
-                          store=store) as be:
+    calibrating = BatchOptions(parallel=2, calibrate_when_idle=True)  # (the suite turns it off by default)
+    with BatchEngine.load(f16_path, batch=calibrating, n_ctx=2048, flash_attn=False, store=store) as be:
         assert be._calibration is not None and be._calibration.pending()  # white-box: it is to do
         done = be.chat(PROMPTS[2], greedy(4)).result()  # arrives during the calibration
         assert done.stats.queue_s < 0.5, done.stats
@@ -258,8 +270,7 @@ def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monk
         assert all(first == (0 if n in CALIBRATION_SIZES else n - 1) for n, first in timed if n in curve), timed
         again = be.chat(PROMPTS[2], greedy(4)).result()
         assert again.tokens == done.tokens  # the calibration emptied an idle slot only: same answer
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
-                          store=store) as be:
+    with BatchEngine.load(f16_path, batch=calibrating, n_ctx=2048, flash_attn=False, store=store) as be:
         assert be._calibration is None  # measured before: nothing to do
         assert be.cost_curve() == pytest.approx(curve, rel=1e-6)
 

@@ -33,7 +33,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from test_batch_engine import f16_path  # noqa: F401  (the session fixture shared with the engine tests)
@@ -105,12 +104,7 @@ def test_parse_returns_a_nested_pydantic_object(server):
     print("\nthe default model's customer:", c.model_dump_json())
 
 
-@pytest.fixture(scope="module")
-def qwen_server(qwen_pair, tmp_path_factory) -> Iterator[Server]:
-    s = Server(Path(qwen_pair[0]), tmp_path_factory.mktemp("serve-qwen-structured"), "--parallel", "1",
-               "--ctx", "2048", "--max-tokens-limit", "256")
-    yield s
-    assert s.stop() == 0
+# qwen_server: the real 1.5B's server, shared with the other files that use it (tests/conftest.py)
 
 
 @pytest.mark.real

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from ..core.scheduler import Scheduler
 from ..core.sequence import KVSequence
 from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
 from ..chat.tools import ToolGeneration
-from ..speculation.calibration import IdleCalibration
+from ..speculation.calibration import IdleCalibration, idle_calibration_default
 from ..speculation.head_models import mtp_layers
 from ..speculation.policy import CostModel, plan_drafts
 
@@ -92,7 +92,8 @@ class BatchOptions:
     # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
     # None: the store's measurement (or the size prior), refined while idle and from every step.
     cost_curve: Mapping[int, float] | None = None
-    calibrate_when_idle: bool = True  # measure the cost curve while no request runs
+    # Measure the cost curve while no request runs (default: yes, unless $EDGEINFER_IDLE_CALIBRATION=0).
+    calibrate_when_idle: bool = field(default_factory=idle_calibration_default)
 
     def validate(self) -> BatchOptions:
         if not isinstance(self.kv_unified, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from ...errors import ContextLengthError
@@ -9,7 +10,8 @@ from ..llama.runtime import DecodeAborted, LlamaRuntime
 from ..core.sequence import KVSequence
 from .policy import CALIBRATION_SIZES, PREFILL_SIZES, CostModel
 
-__all__ = ["CurveMeasurement", "measure_costs", "fit_costs", "IdleCalibration", "IDLE_SIZES"]
+__all__ = ["CurveMeasurement", "measure_costs", "fit_costs", "IdleCalibration", "IDLE_SIZES", "IDLE_CALIBRATION_ENV",
+           "idle_calibration_default"]
 
 
 class CurveMeasurement:
@@ -124,6 +126,18 @@ def fit_costs(seconds: dict[int, dict[int, float]]) -> CostModel:
     w = {b: sum(seconds[d][b] - c * b * d for d in depths) / len(depths) for b in sizes}
     w = {b: max(t, 1e-6) for b, t in w.items()}
     return CostModel(w, attention=c / w[1] if 1 in w else 0.0)
+
+
+# Set to "0" for engines (and `edgeinfer serve`) that do not measure the curve while idle unless told
+# to (BatchOptions.calibrate_when_idle): they start from the store's curve or the size prior and
+# learn from the steps they take. For machines where minutes of busy cores at start cost more than a
+# measured curve buys, and for the test suite's many short-lived servers.
+IDLE_CALIBRATION_ENV = "EDGEINFER_IDLE_CALIBRATION"
+
+
+def idle_calibration_default() -> bool:
+    """BatchOptions.calibrate_when_idle's default: on, unless $EDGEINFER_IDLE_CALIBRATION is 0."""
+    return os.environ.get(IDLE_CALIBRATION_ENV, "1").strip() != "0"
 
 
 # Sizes the idle calibration times: the drafting sizes, then up to a full ubatch for the prefill budget.
