@@ -38,7 +38,7 @@ class StuckEngine(FakeEngine):
 
 
 class StuckLoader(Loader):
-    def __call__(self, plan, progress):
+    def __call__(self, plan, progress, cancel=None):
         engine = StuckEngine(plan)
         self.engines.append(engine)
         return engine

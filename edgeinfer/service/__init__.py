@@ -13,7 +13,10 @@ Unloads by keep-alive (and keep_alive 0) are started by the service's janitor th
 the releasing thread (a server releases from its event loop), each unload in a thread of its own.
 `stop(name)` unloads at once and cancels the model's running requests (each ends with
 finish_reason "cancelled"), waiting DEFAULT_STOP_TIMEOUT seconds at most. Durations longer than
-MAX_DURATION (a year) are clamped to it. `health()` names a model whose unload is stuck.
+MAX_DURATION (a year) are clamped to it. `health()` names a model whose unload is stuck. A request
+that is cancelled (its client gone: `acquire(cancel=)`) stops waiting at once and evicts nothing,
+and a load that no request waits for any more is cancelled (between its stages, and within a
+self-draft's quantization).
 
     service.py   ModelService: names, plans, leases, loads, stop, ps, catalog, close
     names.py     what a request's model name means; each model file's settings

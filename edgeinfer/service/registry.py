@@ -6,7 +6,7 @@ this machine has available when the service starts). To make room it unloads the
 used *idle* model (no lease: no request running or waiting on it) — never one with running
 requests; a model whose need exceeds the whole budget is an error before anything is unloaded; when
 every loaded model is busy, a request waits up to `room_wait_s` for one to become idle, then gets
-`NoRoomError`.
+`NoRoomError` (`Cancelled` at once when its `cancel` is set: its client has gone).
 
 The lock guards the bookkeeping only: loads and unloads run outside it.
 """
@@ -18,7 +18,7 @@ import threading
 import time
 
 from ..engine.faces.batch import BatchEngine
-from ..errors import EdgeInferError
+from ..errors import Cancelled, EdgeInferError
 from .memory import ModelPlan, gb_text
 
 __all__ = ["HeldModel", "NoRoomError", "Registry"]
@@ -49,6 +49,12 @@ class HeldModel:
         self.unloading_since: float | None = None  # monotonic; when it was marked unloading
         self.unload_grace = 0.0  # the grace its unload gives running requests
         self.claimed = False  # a thread has taken on its unload (else the janitor does)
+        self.wanted: list[threading.Event | None] = []  # while loading: the waiting requests' cancels
+
+    @property
+    def abandoned(self) -> bool:
+        """While loading: every request that waited for it was cancelled (None: one that cannot be)."""
+        return bool(self.wanted) and all(c is not None and c.is_set() for c in self.wanted)
 
     @property
     def idle(self) -> bool:
@@ -101,7 +107,9 @@ class Registry:
     def wait(self, deadline: float, cancel: threading.Event | None, plan: ModelPlan) -> None:
         """(holds the lock) Wait for a change (a release, an unload), up to the deadline."""
         left = deadline - time.monotonic()
-        if left <= 0 or (cancel is not None and cancel.is_set()):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"the request for {plan.name} was cancelled while it waited for room")
+        if left <= 0:
             busy = [e.plan.name for e in self.entries.values() if not e.idle]
             raise NoRoomError(
                 f"no room for {plan.name} (~{gb_text(plan.memory.total)}): {', '.join(busy) or 'the loaded models'} "

@@ -15,7 +15,8 @@ from typing import Any
 from ..engine.core.options import LoadOptions, SpeculationOptions
 from ..engine.faces.batch import BatchEngine
 from ..engine.faces.speculation_setup import ProgressCallback
-from ..errors import EdgeInferError, InvalidOptionError, ModelNotFoundError
+from ..cancel import CancelToken, raise_if_cancelled
+from ..errors import Cancelled, EdgeInferError, InvalidOptionError, ModelNotFoundError
 from ..fit import available_memory
 from ..store import ModelManifest, Store
 from ..store.names import shown
@@ -46,14 +47,16 @@ class ModelNotLoadedError(ModelNotFoundError):
     """`stop` of a model that is not loaded."""
 
 
-Loader = Callable[[ModelPlan, "ProgressCallback | None"], BatchEngine]
+# (plan, progress, cancel): a BatchEngine of the plan; `cancel()` says nobody waits for it any more
+Loader = Callable[[ModelPlan, "ProgressCallback | None", CancelToken], BatchEngine]
 
 
 def _load_engine(store: Store) -> Loader:
-    def load(plan: ModelPlan, progress: ProgressCallback | None) -> BatchEngine:
+    def load(plan: ModelPlan, progress: ProgressCallback | None, cancel: CancelToken = None) -> BatchEngine:
         info = admit(plan.path, store, plan.manifest)  # validated, and loaded once in a child process
+        raise_if_cancelled(cancel, f"loading {plan.name}")
         return BatchEngine(plan.path, info, plan.load, plan.batch, manifest=plan.manifest, store=store,
-                           speculation=plan.speculation, progress=progress)
+                           speculation=plan.speculation, progress=progress, cancel=cancel)
 
     return load
 
@@ -152,7 +155,9 @@ class ModelService:
         `keep_alive` (seconds; 0, or negative for ever): how long the model stays once idle after
         this lease, None for its own (serve.toml) or the service's. ModelTooLargeError when it can
         never fit; NoRoomError when every model that would have to go stays busy for room_wait_s
-        (or at once with evict=False, which never unloads another model); the load's own error."""
+        (or at once with evict=False, which never unloads another model); the load's own error.
+        `cancel` (set when the request's client has gone): Cancelled instead of waiting on, nothing
+        evicted for it, and the load it started or waits for cancelled once no request waits for it."""
         if keep_alive is not None:
             keep_alive = parse_duration(keep_alive)
         self._janitor.ensure_running()
@@ -190,6 +195,8 @@ class ModelService:
                     self._held.wait(deadline, cancel, plan)
                     continue
                 else:
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled(f"the request for {plan.name} was cancelled")  # no eviction for nobody
                     victims_or_none = self._held.make_room(plan, evict)
                     if victims_or_none is None:
                         self._held.wait(deadline, cancel, plan)
@@ -197,34 +204,63 @@ class ModelService:
                     victims = victims_or_none
                     entry = HeldModel(plan, self._keep_alive_of(plan))
                     entry.leases = 1  # the loader's own lease: nothing unloads it before its request runs
+                    entry.wanted.append(cancel)
                     self._held.entries[plan.key] = entry
+                if wait_load is not None:
+                    wait_load.wanted.append(cancel)
             if dead is not None:
                 self._held.unload(dead, 0.0)
                 continue
             if wait_load is not None:
-                wait_load.done.wait()
-                if wait_load.error is not None:
-                    raise _copy_error(wait_load.error)
+                self._wait_for_load(wait_load, cancel)
                 continue
             return self._load(entry, victims, keep_alive)
 
+    def _wait_for_load(self, entry: HeldModel, cancel: threading.Event | None) -> None:
+        """Wait for another request's load of the model (this request's `cancel` counted among
+        those who want it); its error, unless the load was cancelled for lack of anyone waiting
+        while this request still does (then the caller loads it again)."""
+        while not entry.done.wait(0.1):
+            if cancel is not None and cancel.is_set():
+                break
+        with self._held.cond:
+            entry.wanted.remove(cancel)
+            self._held.cond.notify_all()
+        if not entry.done.is_set():
+            raise Cancelled(f"the request for {entry.plan.name} was cancelled while it loaded")
+        if entry.error is not None and not (isinstance(entry.error, Cancelled) and
+                                            not (cancel is not None and cancel.is_set())):
+            raise _copy_error(entry.error)
+
+    def _abandoned(self, entry: HeldModel) -> bool:
+        with self._held.cond:
+            return entry.abandoned
+
     def _load(self, entry: HeldModel, victims: list[HeldModel], keep_alive: float | None) -> Lease:
         plan = entry.plan
-        for v in victims:
-            log.info("unloading %s to make room for %s (idle %.1f s)", v.plan.name, plan.name,
-                     time.monotonic() - v.last_used)
-            self._held.unload(v, 0.0)
         started = time.perf_counter()
         try:
-            engine = self._loader(plan, self._progress)
+            for v in victims:
+                raise_if_cancelled(lambda: self._abandoned(entry), f"loading {plan.name}")
+                log.info("unloading %s to make room for %s (idle %.1f s)", v.plan.name, plan.name,
+                         time.monotonic() - v.last_used)
+                self._held.unload(v, 0.0)
+                victims = victims[1:]
+            engine = self._loader(plan, self._progress, lambda: self._abandoned(entry))
         except BaseException as e:
             with self._held.cond:
+                for v in victims:  # not unloaded after all: idle again
+                    v.state = "ready"
+                self._held.evictions -= len(victims)
                 entry.error = e
                 if self._held.entries.get(plan.key) is entry:
                     del self._held.entries[plan.key]
                 entry.done.set()
                 self._held.cond.notify_all()
-            log.info("loading %s failed: %s", plan.name, e)
+            if isinstance(e, Cancelled):
+                log.info("loading %s cancelled: no request waits for it any more", plan.name)
+            else:
+                log.info("loading %s failed: %s", plan.name, e)
             raise
         load_s = time.perf_counter() - started
         exact = self._plan_for(plan.path, plan.manifest, settings=self._names.settings(plan.key), engine=engine)
