@@ -20,7 +20,7 @@ self-draft's quantization).
 
     service.py   ModelService: names, plans, leases, loads, stop, ps, catalog, close
     names.py     what a request's model name means; each model file's settings
-    settings.py  ServiceOptions, per-model settings, serve.toml checked by hand
+    settings.py  ServiceOptions, per-model settings, serve.toml checked by hand (also its [slots])
     units.py     durations (keep_alive) and sizes (--max-memory) as people write them
     memory.py    a model's plan and its memory estimate, by part
     registry.py  the models held, under one lock: room by count and memory, eviction, release, unload
@@ -36,8 +36,8 @@ from .memory import MemoryParts, ModelPlan
 from .registry import NoRoomError
 from .service import (DEFAULT_STOP_TIMEOUT, UNLOAD_STUCK_AFTER, Loader, ModelNotLoadedError, ModelService,
                       ModelTooLargeError)
-from .settings import (DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED, DEFAULT_ROOM_WAIT, SETTINGS_FILE, ModelSettings,
-                       ServiceOptions, read_settings_file)
+from .settings import (DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED, DEFAULT_ROOM_WAIT, DEFAULT_SLOT_QUOTA, SETTINGS_FILE,
+                       ModelSettings, ServiceOptions, SlotSettings, read_settings_file, read_slot_settings)
 from .status import CatalogEntry, ModelStatus, ServiceHealth, StopResult
 from .units import MAX_DURATION, parse_duration, parse_size
 
@@ -63,6 +63,9 @@ __all__ = [
     "UNLOAD_STUCK_AFTER",
     "MAX_DURATION",
     "SETTINGS_FILE",
+    "DEFAULT_SLOT_QUOTA",
+    "SlotSettings",
+    "read_slot_settings",
     "parse_duration",
     "parse_size",
     "read_settings_file",
