@@ -27,7 +27,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,6 +42,7 @@ from .dialects import dialect_routes
 from .dialects.shapes import OPENAI, ErrorShape, shape_for_path
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
+from .finite_json import JSONResponse
 from .protocol import ParsedRequest, finish_reason, parse_chat, parse_completion
 from .reply import OpenAIReply, Reply, ReplyContext, ReplyFactory
 from .routing import acquire, keep_alive_field, model_field, models_body, on_disconnect, plan_for, ps_body, stop_model
@@ -322,6 +323,10 @@ class _Service:
                         yield piece
         except edgeinfer.EdgeInferError as e:
             for piece in reply.failure(APIError(500, str(e), type="server_error")):
+                yield piece
+        except APIError as e:  # an event that cannot be written (a NaN: finite_json): the stream ends with it
+            gen.cancel()
+            for piece in reply.failure(e):
                 yield piece
         finally:
             watcher.cancel()

@@ -36,12 +36,13 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 from edgeinfer.fsutil import is_inside
 
 from .errors import APIError, from_library_error
+from .finite_json import JSONResponse
 
 __all__ = ["handle_slots", "check_filename", "slots_used", "ACTIONS", "MAX_NAME"]
 

@@ -8,8 +8,10 @@ and without one the actions are off."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
 import threading
@@ -308,3 +310,34 @@ def test_the_folder_quota_refuses_a_save_before_writing(app, engine, store_root)
     (folder / "over.bin").unlink()
 
 
+
+def test_a_reply_never_carries_a_nan(app, engine, monkeypatch):
+    """JSON never carries NaN or infinity (server/finite_json.py). A K value that was NaN (a state
+    restored before the check above) made a `logprobs` reply a bare 500 (Starlette's "Out of range
+    float values are not JSON compliant") and a stream carry a bare `NaN` no client parses. A NaN
+    cache cannot reach a reply any more (its model samples its end-of-text token, whose logprob is
+    never sent), so the test makes the engine's logprobs NaN where they are computed: the whole
+    reply is a 500 naming the field (code non_finite_value), the stream ends with that error
+    event, neither holds a NaN, and the next request is served."""
+    from edgeinfer.engine.core import request as request_module
+
+    computed = request_module.RequestState._event
+
+    def nan_logprobs(self, *args):
+        event = computed(self, *args)
+        return dataclasses.replace(event, logprob=math.nan) if hasattr(event, "logprob") else event
+
+    monkeypatch.setattr(request_module.RequestState, "_event", nan_logprobs)
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0, "logprobs": True}
+    r = app.post("/v1/chat/completions", body)
+    assert r.status_code == 500 and "NaN" not in r.text.replace("(NaN or infinity)", ""), r.text
+    error = r.json()["error"]
+    assert error["code"] == "non_finite_value" and "logprobs" in error["message"], r.text
+    with httpx.stream("POST", app.url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as s:
+        text = "".join(s.iter_text())
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert events and events[-1]["error"]["code"] == "non_finite_value", text
+    assert "NaN" not in text.replace("(NaN or infinity)", ""), text
+    monkeypatch.undo()
+    assert _chat(app, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")

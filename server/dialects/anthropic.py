@@ -26,11 +26,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 
 from ..errors import APIError, from_library_error
+from ..finite_json import JSONResponse
 from ..routing import acquire, plan_for
 from ..tools import prepare_chat
 from .anthropic_reply import AnthropicReply

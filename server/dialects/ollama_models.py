@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 from edgeinfer.engine.chat.template import template_supports_tools
@@ -39,6 +39,7 @@ from edgeinfer.service import ModelPlan, ModelService
 
 from ..embeddings import EmbeddingsRequest, run_embeddings, vectors_json
 from ..errors import APIError, from_library_error
+from ..finite_json import JSONResponse
 from ..routing import keep_alive_field, plan_for
 from .common import bad, check_fields, check_object, int_field, text_field
 
