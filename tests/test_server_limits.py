@@ -251,6 +251,32 @@ def test_sigterm_during_a_long_embedding_exits_within_the_grace(f16_path, tmp_pa
     assert "server stopped" in log or "exiting now" in log, log
 
 
+# -- errors that are 4xx and say the right thing ------------------------------------------------------
+
+
+def test_errors_cut_long_names_refuse_a_trailing_newline_and_name_the_prompt(server):
+    """A 10 kB `model` name used to be echoed back whole; a name with a trailing newline passed the
+    name check ($ matches before a final newline); the completions route's overflow error named
+    `messages`. Now each is a 4xx whose message shows at most the first 80 characters of the name,
+    "name\\n" is an invalid name, and the overflow names `prompt` (chat keeps `messages`)."""
+    long = "m" * 10_000
+    for path, body in (("/v1/chat/completions", {**CHAT, "model": long}),
+                       ("/v1/embeddings", {"model": long, "input": "hi"}),
+                       ("/api/generate", {"model": long, "prompt": "Hi", "stream": False}),
+                       ("/edgeinfer/stop", {"model": long})):
+        r = post(server, path, body)
+        assert 400 <= r.status_code < 500 and len(r.content) < 1000 and "10000 characters" in r.text, (path, r.text[:300])
+    r = post(server, "/v1/chat/completions", {**CHAT, "model": "smollm2\n"})
+    assert r.status_code == 404 and "invalid model name" in r.json()["error"]["message"], r.text
+    many = "one two three four five six seven eight nine ten " * 300  # ~3,000 tokens, 1,024 per request
+    r = post(server, "/v1/completions", {"model": MODEL_FILE, "prompt": many, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": many}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert_no_traceback(server)
+
+
 # -- slot files: a folder the operator gives, a quota ---------------------------------------------------
 
 
