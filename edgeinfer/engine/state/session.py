@@ -374,7 +374,7 @@ def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: Ses
     path = Path(path)
     try:
         mode: int | None = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except OSError:  # none there (or its folder is none): the write below says why if it cannot be made
         mode = None
     if mode is not None and not stat.S_ISREG(mode):  # (the rename below would fail on a directory)
         raise InvalidOptionError(f"{path.name} is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}: "
