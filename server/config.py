@@ -73,7 +73,7 @@ class ServerConfig:
     stall_timeout_s: float = 30.0  # a client that reads none of its response for this long is dropped
     # CPU-heavy steps (server/work.py): from its arrival, a tokenizer call, a chat template, an
     # embeddings call gets this long, then a 503; one embeddings call embeds at most this many tokens.
-    work_timeout_s: float = 60.0
+    work_timeout_s: float = 300.0  # (6 x 1,024 tokens embedded in 130 s on the default model at a load of 20)
     max_embed_tokens: int = 32768
     # Slot files (POST /slots/{id}?action=save|restore, server/slots.py): a folder the operator
     # gives (llama-server's --slot-save-path; None: the actions are off), and the bytes they may take.

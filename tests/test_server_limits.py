@@ -88,7 +88,7 @@ def server(f16_path, tmp_path_factory):  # noqa: F811
     home = tmp_path_factory.mktemp("serve-limits")
     s = Server(f16_path, home, "--parallel", "2", "--ctx", "2048",
                "--keep-alive", "1e10", "--max-queue", str(MAX_QUEUE), "--max-embed-tokens", str(MAX_EMBED_TOKENS),
-               "--work-timeout", "300", "--slot-save-path", str(home / "saved-slots"), "--slot-quota", "100K")
+               "--work-timeout", "600", "--slot-save-path", str(home / "saved-slots"), "--slot-quota", "100K")
     yield s
     assert s.stop() == 0
     assert_no_traceback(s)

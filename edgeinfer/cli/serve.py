@@ -156,9 +156,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--stall-timeout", type=_seconds, default=30.0, metavar="S",
                      help="seconds a client may read nothing of its response before it is disconnected and "
                      "its request cancelled (default 30)")
-    lim.add_argument("--work-timeout", type=_seconds, default=60.0, metavar="S",
+    lim.add_argument("--work-timeout", type=_seconds, default=300.0, metavar="S",
                      help="seconds a CPU-heavy step may take from its arrival — tokenizing a prompt, a chat "
-                     "template, an embeddings call — before the request gets 503 (default 60)")
+                     "template, an embeddings call — before the request gets 503 (default 300)")
     lim.add_argument("--max-embed-tokens", type=int_range(1, (1 << 31) - 1), default=32768, metavar="N",
                      help="tokens one embeddings request may embed, all its inputs together (default 32768); "
                      "more is a 400 before any work")
