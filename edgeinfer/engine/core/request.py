@@ -72,10 +72,6 @@ class RequestState:
 
     # -- state -----------------------------------------------------------------------------------
     @property
-    def admitted(self) -> bool:
-        return self.seq is not None
-
-    @property
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
@@ -204,8 +200,6 @@ class RequestState:
         self.sink([], error)
 
     def release(self) -> None:
-        """Free what the request holds besides its slot (sampler, drafter state)."""
-        if self.speculation is not None:
-            self.speculation.close()
+        """Free what the request holds besides its slot (its sampler; a drafter keeps nothing per request)."""
         if self.sampler is not None:
             self.sampler.close()

@@ -14,23 +14,12 @@ import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from ...errors import EngineBusyError, EngineClosedError
 from ..llama.runtime import LlamaRuntime
 
-__all__ = ["RequestSlot", "Closable"]
-
-
-class Closable(Protocol):
-    """What the slot may do to the public generation holding it."""
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    def cancel(self) -> None: ...
-
-    def close(self) -> None: ...
+__all__ = ["RequestSlot"]
 
 
 class RequestSlot:
