@@ -42,7 +42,6 @@ from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
 from .routing import acquire, keep_alive_field, model_field, models_body, plan_for, ps_body, stop_model
 from .slots import handle_slots
-from .tools import prepare_chat
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
@@ -271,20 +270,22 @@ class _Service:
 
         engine = lease.engine
         try:
-            options, tools = parsed.options, None
-            if parsed.kind == "chat":
-                tokens, options, tools = await run_in_threadpool(prepare_chat, engine, parsed.messages, options,
-                                                                 parsed.tools)
-            elif isinstance(parsed.prompt, str):
-                tokens = await run_in_threadpool(engine.tokenize, parsed.prompt)
-            else:
-                tokens = list(parsed.prompt)
             loop = asyncio.get_running_loop()
             wake = asyncio.Event()
-            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
-                                notify=lambda: loop.call_soon_threadsafe(wake.set))
-            if tools is not None:  # content and tool calls parsed out of the text
-                gen = tools.wrap(gen)
+
+            def notify() -> None:
+                loop.call_soon_threadsafe(wake.set)
+
+            # In a worker thread: rendering, tokenizing and compiling a grammar take time.
+            if parsed.kind == "chat":  # the library's one chat sequence (tools rendered, grammar, calls parsed)
+                fields = parsed.tools
+                gen = await run_in_threadpool(
+                    engine.chat, list(parsed.messages), parsed.options, tools=fields.tools or None,
+                    tool_choice=fields.tool_choice, parallel_tool_calls=fields.parallel_tool_calls,
+                    logprobs=parsed.logprobs, notify=notify)
+            else:
+                gen = await run_in_threadpool(engine.generate, parsed.prompt, parsed.options,
+                                              logprobs=parsed.logprobs, notify=notify)
         except edgeinfer.EdgeInferError as e:
             release()
             if engine.closed:
@@ -292,8 +293,8 @@ class _Service:
                 raise APIError(503, what, type="server_error", code="unavailable",
                                headers={"Retry-After": "1"}) from None
             if isinstance(e, edgeinfer.GrammarError):  # the request's constraint can never be met
-                field = "tools" if tools is not None and parsed.options.grammar is None and \
-                    parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
+                field = "tools" if parsed.kind == "chat" and parsed.tools.active and parsed.options.grammar is None \
+                    and parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
                     else "response_format"
                 raise APIError(400, str(e), param=field) from None
             raise from_library_error(e) from None
