@@ -68,7 +68,7 @@ class LoadOptions:
     n_threads: int | None = None  # None: EDGEINFER_THREADS, else the cores others leave free (edgeinfer.cpu)
     n_batch: int = 512
     kv_type: str = "f16"  # type of both K and V caches (edgeinfer.kv_types.KV_TYPE_NAMES)
-    # None: an Engine takes the store's measured verdict (engine/llama/flash_choice.py), else llama.cpp's
+    # None: either face takes the store's measured verdict (engine/llama/flash_choice.py), else llama.cpp's
     # choice (on for the CPU); on whenever the V cache is quantized (llama.cpp needs it there)
     flash_attn: bool | None = None
     kv_type_k: str | None = None  # K cache type; None: kv_type

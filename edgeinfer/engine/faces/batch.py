@@ -141,9 +141,10 @@ class BatchEngine(ModelFace):
         # A drafting head reads the target's hidden states by batch row, and llama.cpp reorders
         # only logits when it cuts a batch into per-stream ubatches: with heads, one cache.
         unified = self.batch_options.kv_unified or mtp or (spec is not None and spec.method in ("mtp", "eagle3"))
-        if not unified:  # the measured flash-attention verdict holds for a stream per slot too (flash_choice)
-            options = with_measured_flash_attn(self.path, options, self.store)
-        self.options = options
+        # flash attention left to us: the verdict measured for this layout, as on Engine (a stream per
+        # slot attends as one sequence does; one cache for every slot is a layout of its own: flash_choice)
+        self._flash_slots = n if unified and n > 1 else 1
+        self.options = options = with_measured_flash_attn(self.path, options, self.store, self._flash_slots)
         self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp, kv_unified=unified)
         self._note_placement()
         rt = self._runtime

@@ -54,6 +54,7 @@ class ModelFace:
     store: Store
     _runtime: LlamaRuntime
     _chosen_template: str | None = None
+    _flash_slots = 1  # the attention layout flash-attention verdicts are for (FlashAttnChoice.slots)
     _embedder: Embedder | None = None
     _embed_lock = threading.Lock()  # (one for all engines: creating an embedder is rare)
 
@@ -325,14 +326,15 @@ class ModelFace:
 
     # -- flash attention (engine/llama/flash_choice.py) --------------------------------------------
     def measure_flash_attn(self, tokens: Sequence[int], *, steps: int = 8, save: bool = True) -> FlashAttnChoice:
-        """Time a prefill of `tokens` (any text's, as many as the context depth to judge at: the
-        cells a row attends over, which in one KV cache for every slot are all the slots') and
-        one-token decodes after it with flash attention on and off, on scratch contexts beside
-        this one (see engine/llama/flash_choice.py). `save` keeps the verdict in the store: later
-        loads of this model with these threads and KV types that leave `flash_attn` unset use it,
-        on either face. Waits for running requests (a BatchEngine's pause meanwhile)."""
+        """Time a prefill of `tokens` (any text's, as many as the context depth to judge at) and
+        decode steps after it with flash attention on and off, on scratch contexts beside this one
+        in this face's attention layout: one sequence (an Engine, a BatchEngine with a KV stream per
+        slot), or with one KV cache for every slot that many sequences of `tokens`, a row of each a
+        step (see engine/llama/flash_choice.py). `save` keeps the verdict in the store: later loads
+        of this model, on either face, with these threads, KV types and layout that leave
+        `flash_attn` unset use it. Waits for running requests (a BatchEngine's pause meanwhile)."""
         self._check_open()
-        choice = self._exclusively(lambda: measure_flash_attn(self._runtime, tokens, steps))
+        choice = self._exclusively(lambda: measure_flash_attn(self._runtime, tokens, steps, self._flash_slots))
         log.info("%s: %s", self.name, choice.summary())
         if save:
             remember_flash_attn(self.path, self.options, self.store, choice)
