@@ -322,6 +322,15 @@ class GenerateOptions:
             raise InvalidOptionError(f"invalid sampling option: {e}") from None
 
 
+IDLE_CALIBRATION_ENV = "EDGEINFER_IDLE_CALIBRATION"
+
+
+def idle_calibration_default() -> bool:
+    """BatchOptions.calibrate_when_idle's default: on, unless $EDGEINFER_IDLE_CALIBRATION is 0
+    (the test suite's servers and engines set it: speculation/calibration.py is the calibration)."""
+    return os.environ.get(IDLE_CALIBRATION_ENV, "1").strip() != "0"
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     """How a BatchEngine schedules: slots, per-request buffering, drafting."""
@@ -345,7 +354,8 @@ class BatchOptions:
     # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
     # None: the store's measurement (or the size prior), refined while idle and from every step.
     cost_curve: Mapping[int, float] | None = None
-    calibrate_when_idle: bool = True  # measure the cost curve while no request runs
+    # Measure the cost curve while no request runs (default: yes, unless $EDGEINFER_IDLE_CALIBRATION=0).
+    calibrate_when_idle: bool = field(default_factory=idle_calibration_default)
 
     def validate(self) -> BatchOptions:
         _int("", "parallel", self.parallel, 1, 64)

@@ -45,7 +45,7 @@ class RequestState:
     cancels it at its next step (no code runs when a handle is garbage)."""
 
     def __init__(self, prompt: list[int], options: GenerateOptions, sink: EventSink, *,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, sampler: Sampler | None = None):
         self.prompt = prompt
         self.options = options
         self.sink = sink
@@ -54,9 +54,10 @@ class RequestState:
         self.owner: weakref.ref[Any] | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.t_submit = time.perf_counter()
-        # Set when a slot takes the request (Scheduler._admit).
+        # Its sampler, made when the request was checked where it has a grammar (compiled once,
+        # outside the scheduler thread), else when a slot takes it; the slot's sequence.
+        self.sampler: Sampler | None = sampler
         self.seq: KVSequence | None = None
-        self.sampler: Sampler | None = None
         self.speculation: RequestSpeculation | None = None
         self.fed = 0  # prompt tokens in the sequence's cache
         self.restore: np.ndarray | None = None  # logits row to put back after re-decoding a cached prompt

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...cancel import CancelToken, raise_if_cancelled
 from ...errors import ContextLengthError, EdgeInferError, EngineClosedError, InvalidOptionError
 from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
@@ -46,6 +47,7 @@ from ..llama.flash_choice import with_measured_flash_attn
 from ..llama.runtime import LlamaRuntime
 from ..core.options import BatchOptions, GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler, Slot
 from ..speculation.calibration import IdleCalibration
 from ..speculation.head_models import mtp_layers
@@ -122,6 +124,7 @@ class BatchEngine(ModelFace):
         store: Store | None = None,
         speculation: SpeculationOptions | str | None = None,
         progress: ProgressCallback | None = None,
+        cancel: CancelToken = None,
     ):
         self.path = Path(path)
         self.info = info
@@ -171,8 +174,9 @@ class BatchEngine(ModelFace):
         self._closed = False
         self._dead: BaseException | None = None
         try:
+            raise_if_cancelled(cancel, f"loading {self.name}")
             if spec is not None:
-                self.prepare_speculation(spec, progress=progress)
+                self.prepare_speculation(spec, progress=progress, cancel=cancel)
         except BaseException:
             self._drafts.close()
             rt.close()
@@ -229,13 +233,15 @@ class BatchEngine(ModelFace):
 
     # -- speculation -----------------------------------------------------------------------------
     def prepare_speculation(self, speculation: SpeculationOptions | str, *,
-                            progress: ProgressCallback | None = None) -> None:
+                            progress: ProgressCallback | None = None, cancel: CancelToken = None) -> None:
         """Open the draft model `speculation` needs (a self-draft is made by the quantizer on first
-        use) and make it the engine's method: requests may then use it, or off, or lookup."""
+        use) and make it the engine's method: requests may then use it, or off, or lookup.
+        `cancel` (an Event or a callable) stops a self-draft's quantization with `Cancelled`."""
         self._check_open()
         spec = speculation_options(speculation)
         # A head, or a hybrid model's rollback snapshots, change the context: only before the thread runs.
-        self._drafts.prepare(spec, progress, exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
+        self._drafts.prepare(spec, progress, cancel,
+                             exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
         self.speculation = spec
 
     def _check_speculation(self, spec: SpeculationOptions) -> None:
@@ -247,18 +253,25 @@ class BatchEngine(ModelFace):
                 f"(it speculates with {self.speculation.method!r}; use off, lookup or that)")
 
     # -- requests --------------------------------------------------------------------------------
-    def check_request(self, tokens: Sequence[int], options: GenerateOptions | None = None) -> GenerateOptions:
-        options = super().check_request(tokens, options)
-        self._check_speculation(options.speculation)
-        return options
+    def _checked(self, tokens: Sequence[int], options: GenerateOptions | None) -> tuple[GenerateOptions, Sampler | None]:
+        options, sampler = super()._checked(tokens, options)
+        try:
+            self._check_speculation(options.speculation)
+        except BaseException:
+            if sampler is not None:
+                sampler.close()
+            raise
+        return options, sampler
 
-    def _start(self, tokens: list[int], options: GenerateOptions, logprobs: int | None,
+    def _start(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
                notify: Callable[[], None] | None, tools: ToolCallParser | None) -> Generation:
         """Queue the request; it starts when a slot is free."""
-        feed = ChannelFeed(tokens, options, logprobs, notify, self._wake, self._thread.is_alive,
+        feed = ChannelFeed(tokens, options, sampler, logprobs, notify, self._wake, self._thread.is_alive,
                            self.batch_options.max_backlog)
         generation = Generation(feed, tools)  # (its reader's handle, before the scheduler sees the request)
         with self._cond:
+            if self._closing or self._closed or self._dead is not None:
+                feed.request.release()  # (its sampler: the request never reaches the core)
             if self._closing or self._closed:
                 raise EngineClosedError("this engine is shutting down")
             if self._dead is not None:
@@ -278,27 +291,31 @@ class BatchEngine(ModelFace):
             self._cond.notify_all()
 
     def metrics(self) -> BatchMetrics:
+        """Counters and state now. The core steps on its own thread meanwhile, so every shared
+        reference is read once and used as read (a slot's request checked and then read again
+        could be one the scheduler has just ended: /metrics answered 500 under load)."""
         core = self._core
         with self._cond:
-            slots = tuple(
-                SlotMetrics(s.index, s.request is not None, len(s.seq),
-                            s.request.decode_tok_s() if s.request is not None else s.decode_tok_s)
-                for s in core.slots
-            )
+            slots = []
+            for s in core.slots:
+                r = s.request
+                slots.append(SlotMetrics(s.index, r is not None, len(s.seq),
+                                         r.decode_tok_s() if r is not None else s.decode_tok_s))
+            active = list(core.active)
             c = core.counters
             return BatchMetrics(
                 requests_submitted=self._submitted,
                 requests_finished=dict(core.finished),
                 prompt_tokens=c.prompt_tokens,
                 cached_prompt_tokens=c.cached_tokens,
-                generated_tokens=c.generated + sum(len(r.generated) for r in core.active),
+                generated_tokens=c.generated + sum(len(r.generated) for r in active),
                 queue_depth=len(self._inbox) + len(core.waiting),
-                active=len(core.active),
+                active=len(active),
                 steps=c.steps,
                 rows=c.rows,
                 drafted=c.drafted,
                 accepted=c.accepted,
-                slots=slots,
+                slots=tuple(slots),
                 calibrating=self._calibration is not None and self._calibration.pending(),
             )
 
@@ -439,3 +456,4 @@ class BatchEngine(ModelFace):
         for r in requests:
             if not r.finished:
                 r.fail(failure if not isinstance(error, EdgeInferError) else error)
+            r.release()

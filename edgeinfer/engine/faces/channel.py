@@ -12,6 +12,7 @@ from ...errors import EngineClosedError
 from ..core.events import DoneEvent, Event
 from ..core.options import GenerateOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
 from .generation import GenerationState
 
 __all__ = ["Channel", "ChannelFeed"]
@@ -61,11 +62,11 @@ class ChannelFeed:
     behind pauses its own request), polls take all that is there. If the scheduler thread dies,
     every reader gets its error: none waits for ever."""
 
-    def __init__(self, tokens: list[int], options: GenerateOptions, logprobs: int | None,
+    def __init__(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
                  notify: Callable[[], None] | None, wake: Callable[[], None], alive: Callable[[], bool],
                  max_backlog: int):
         self._ch = Channel(notify, wake, alive, max_backlog)
-        self.request = RequestState(tokens, options, self._ch.push, logprobs=logprobs)
+        self.request = RequestState(tokens, options, self._ch.push, logprobs=logprobs, sampler=sampler)
         self.request.backlog = self._ch.backlog
         self._ended = False  # the DoneEvent (or the error) has been taken
 

@@ -24,6 +24,7 @@ from .inline import InlineFeed
 from .loading import load_face, speculation_options
 from ..llama.runtime import LlamaRuntime
 from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
+from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler, Slot
 from .exclusive import RequestSlot
 from ..speculation import CostModel, measure_costs
@@ -167,10 +168,10 @@ class Engine(ModelFace):
         self._check_open()
         self._speculation.prepare(speculation_options(speculation), progress, cancel)
 
-    def _start(self, tokens: list[int], options: GenerateOptions, logprobs: int | None,
+    def _start(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
                notify: Callable[[], None] | None, tools: ToolCallParser | None) -> Generation:
         speculation = None if options.speculation.method == "off" else self._speculation
-        feed = InlineFeed(self._slot, self._scheduler, tokens, options, logprobs, notify, speculation)
+        feed = InlineFeed(self._slot, self._scheduler, tokens, options, sampler, logprobs, notify, speculation)
         return Generation(feed, tools)
 
     def _slots(self) -> list[Slot]:

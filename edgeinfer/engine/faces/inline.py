@@ -21,6 +21,7 @@ from ...errors import Cancelled, EngineClosedError
 from ..core.events import Event, SpeculationProgress
 from ..core.options import GenerateOptions, SpeculationOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler
 from .exclusive import RequestSlot
 from .generation import GenerationState
@@ -43,11 +44,13 @@ class InlineFeed:
     """One request on an Engine, stepped by whichever thread reads it (one at a time: `_turn`)."""
 
     def __init__(self, slot: RequestSlot, core: Scheduler, tokens: list[int], options: GenerateOptions,
-                 logprobs: int | None, notify: Callable[[], None] | None, speculation: SpeculationSource | None):
+                 sampler: Sampler | None, logprobs: int | None, notify: Callable[[], None] | None,
+                 speculation: SpeculationSource | None):
+        """`sampler`: the request's, made when it was checked (where it has a grammar); it owns it."""
         self.slot = slot
         self.core = core
         self.speculation = speculation
-        self.request = RequestState(tokens, options, self._collect, logprobs=logprobs)
+        self.request = RequestState(tokens, options, self._collect, logprobs=logprobs, sampler=sampler)
         self._notify = notify
         self._phase: GenerationState = "new"
         self._pending: list[Event] = []  # what the core handed over and the reader has not taken
@@ -142,8 +145,7 @@ class InlineFeed:
         req, core = self.request, self.core
         while not req.finished and not self._pending:
             if not core.step() and not req.finished:
-                req.end("cancelled")  # (the core had nothing to do for it: never expected)
-                req.flush()
+                req.cancel.set()  # (the core had nothing to do for it, never expected: its next step ends it)
             if not wait:
                 break
 
@@ -152,6 +154,7 @@ class InlineFeed:
         req = self.request
         self._pending.append(req.end("cancelled"))
         req.out.clear()
+        req.release()  # (its sampler: the core never had it)
         self._phase = "done"
 
     def _leave(self) -> None:
@@ -192,9 +195,10 @@ class InlineFeed:
                 req.cancel.set()
                 while not req.finished and self.core.step():
                     pass
-            if not req.finished:
+            if not req.finished:  # (never reached the core, or a step failed: nothing else frees it)
                 req.end("cancelled")
                 req.out.clear()
+                req.release()
         finally:
             self._pending.clear()
             self._leave()

@@ -34,12 +34,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...errors import InvalidModelError, InvalidOptionError
 from ...kv_types import KV_CACHE_TYPES
-from ...llama_backend import backend
-from .runtime import FLASH_ATTN_TYPE, LlamaRuntime, set_fields
+from .context import DecodeRows, LlamaContext, context_params
+from .runtime import LlamaRuntime
 from ..core.options import LoadOptions
 
 if TYPE_CHECKING:
@@ -199,33 +199,15 @@ class _Scratch:
     weights, with flash attention forced on or off."""
 
     def __init__(self, rt: LlamaRuntime, flash: bool, n_ctx: int, slots: int = 1):
-        self._ll = ll = backend()
-        cparams = ll.llama_context_default_params()
-        kv_k, kv_v = rt.options.kv_types
         self.slots = slots
         self.n_batch = max(min(rt.n_batch, n_ctx * slots), slots)  # (a step is a row of each sequence)
-        set_fields(cparams, n_ctx=n_ctx * slots, n_batch=self.n_batch, n_ubatch=self.n_batch, n_seq_max=slots,
-                   kv_unified=True, n_threads=rt.threads, n_threads_batch=rt.threads,
-                   type_k=KV_CACHE_TYPES[kv_k].ggml_type, type_v=KV_CACHE_TYPES[kv_v].ggml_type,
-                   flash_attn_type=FLASH_ATTN_TYPE[flash], no_perf=True)
-        self.batch: Any = None
-        self.ctx = ll.llama_init_from_model(rt.model, cparams)
-        if not self.ctx:
-            raise InvalidModelError(f"{rt.path.name}: llama.cpp could not create a scratch context "
-                                    f"(flash attention {'on' if flash else 'off'})")
-        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        cparams = context_params(replace(rt.options, flash_attn=flash), n_ctx=n_ctx * slots, n_batch=self.n_batch,
+                                 threads=rt.threads, n_seq_max=slots)
+        self.context = LlamaContext(rt.model, cparams, f"{rt.path.name}: llama.cpp could not create a scratch "
+                                                       f"context (flash attention {'on' if flash else 'off'})")
 
-    def _decode(self, rows: Sequence[tuple[int, int, int]]) -> None:
-        """One llama_decode of (token, position, sequence) rows."""
-        b = self.batch
-        for i, (tok, pos, seq) in enumerate(rows):
-            b.token[i] = tok
-            b.pos[i] = pos
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = i == len(rows) - 1
-        b.n_tokens = len(rows)
-        rc = self._ll.llama_decode(self.ctx, b)
+    def _decode(self, rows: DecodeRows) -> None:
+        rc = self.context.decode(rows)
         if rc != 0:
             raise InvalidModelError(f"llama_decode failed while measuring flash attention (rc={rc})")
 
@@ -235,20 +217,21 @@ class _Scratch:
         for seq in range(self.slots):
             t0 = time.perf_counter()
             for start in range(0, len(tokens), self.n_batch):
-                self._decode([(t, start + i, seq) for i, t in enumerate(tokens[start : start + self.n_batch])])
+                rows = DecodeRows()
+                chunk = tokens[start : start + self.n_batch]
+                rows.extend(chunk, start, seq, len(chunk) - 1)
+                self._decode(rows)
             seconds = seconds or time.perf_counter() - t0
         return seconds
 
     def step(self, token: int, pos: int) -> float:
         """Seconds of one decode of a row of each sequence."""
+        rows = DecodeRows()
+        for seq in range(self.slots):
+            rows.add(token, pos, seq, seq == self.slots - 1)
         t0 = time.perf_counter()
-        self._decode([(token, pos, seq) for seq in range(self.slots)])
+        self._decode(rows)
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.batch is not None:
-            self._ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            self._ll.llama_free(self.ctx)
-            self.ctx = None
+        self.context.close()
