@@ -157,6 +157,39 @@ def test_a_dropped_generation_whose_reader_fell_behind_is_noticed_by_the_idle_sc
         assert engine.metrics().active == 0 and serves(engine)
 
 
+def test_a_grammar_compiled_for_a_request_that_never_runs_is_freed(engine, monkeypatch):
+    """A request's grammar is compiled when it is made (in the caller's thread) and the request owns
+    it: one closed before its first read (on an Engine it never reaches the core) frees it, on
+    either face, without the garbage collector (every sampler is held here, so no finalizer runs)."""
+    from edgeinfer.engine.core.sampler import Sampler
+
+    made: list[Sampler] = []
+    closed: list[Sampler] = []
+    real_init, real_close = Sampler.__init__, Sampler.close
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        made.append(self)
+
+    def close(self):
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(Sampler, "__init__", init)
+    monkeypatch.setattr(Sampler, "close", close)
+    gen = engine.generate("Answer:", GenerateOptions(max_tokens=4, grammar='root ::= "yes" | "no"'))
+    assert len(made) == 1  # compiled here, before anything ran
+    gen.close()
+    assert gen.result().finish_reason == "cancelled"
+    pause = threading.Event()
+    for _ in range(200):  # (a BatchEngine frees it at its scheduler's next step)
+        if any(s is made[0] for s in closed):
+            break
+        pause.wait(0.05)
+    assert any(s is made[0] for s in closed)
+    assert serves(engine)
+
+
 # -- every option on both faces -----------------------------------------------------------------------
 
 
