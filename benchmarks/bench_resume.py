@@ -1,11 +1,11 @@
 """Time to first token of a reopened chat, with and without its saved KV state (issue 25).
 
 For each model and chat size: an engine holds a chat of about N tokens (a long first message, then
-one short greedy reply) and saves it (`Engine.save_session`); it is closed. Then, in rounds, a new
+one short greedy reply) and saves it (`Engine.save_slot`); it is closed. Then, in rounds, a new
 engine — the app restarted — answers the next message of that chat:
 
 - cold: without the state, reading the whole history again (what every reopened chat cost before);
-- warm: `restore_session` first, then the same request, which reads only the new message.
+- warm: `restore_slot` first, then the same request, which reads only the new message.
 
 Each row reports the time from "the new engine is loaded" to the first new token (restore
 included), the prompt tokens actually read, the state file's size, the save and restore times, and
@@ -68,7 +68,7 @@ def measure(model: str | None, size: int, rounds: int, threads: int, workdir: Pa
         history = chat_of(engine, size)
         first = engine.chat(history, edgeinfer.GenerateOptions(max_tokens=16, sampling=greedy)).result()
         conversation = history + [{"role": "assistant", "content": first.text}]
-        saved = engine.save_session(state, conversation)
+        saved = engine.save_slot(0, state, conversation)
     request = conversation + [{"role": "user", "content": "And how heavy is item 5?"}]
     one = edgeinfer.GenerateOptions(max_tokens=1, sampling=greedy)
     best: dict[str, dict] = {}
@@ -78,7 +78,7 @@ def measure(model: str | None, size: int, rounds: int, threads: int, workdir: Pa
                 t0 = time.perf_counter()
                 restore_s = 0.0
                 if mode == "warm":
-                    result = engine.restore_session(state, request)
+                    result = engine.restore_slot(0, state, request)
                     if not result:
                         raise SystemExit(f"restore refused: {result.reason}")
                     restore_s = result.seconds

@@ -88,7 +88,7 @@ __all__ = [
     # parallel requests (servers)
     "BatchEngine",
     "BatchOptions",
-    "BatchGeneration",
+    "BatchGeneration",  # the same class as Generation
     "BatchMetrics",
     "SlotMetrics",
     "ScoredTokenEvent",
@@ -114,7 +114,7 @@ __all__ = [
     "SpeculationStats",
     "SpeculationProgress",
     "PrefillProgress",
-    # saved conversations (engine.save_session / restore_session, BatchEngine.save_slot / restore_slot)
+    # a slot's saved KV state (save_slot / restore_slot / erase_slot, on both faces)
     "SessionInfo",
     "FlashAttnChoice",
     "RestoreResult",

@@ -47,7 +47,6 @@ from .protocol import ParsedRequest, finish_reason, parse_chat, parse_completion
 from .reply import OpenAIReply, Reply, ReplyContext, ReplyFactory
 from .routing import acquire, keep_alive_field, model_field, models_body, on_disconnect, plan_for, ps_body, stop_model
 from .slots import handle_slots
-from .tools import prepare_chat
 from . import webpage
 from .work import WorkPool
 
@@ -237,21 +236,22 @@ class _Service:
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
 
-        def start(cancel: threading.Event) -> tuple[int, Any]:
-            """(in the prepare pool) The prompt's tokens (a chat: its template) and the generation started."""
-            options, tools = parsed.options, None
+        def notify() -> None:
+            loop.call_soon_threadsafe(wake.set)
+
+        def start(cancel: threading.Event) -> Any:
+            """(in the prepare pool: rendering, tokenizing and compiling a grammar take time) The
+            generation started; a chat through the library's one chat sequence (tools rendered,
+            grammar, calls parsed)."""
             if parsed.kind == "chat":
-                tokens, options, tools = prepare_chat(engine, parsed.messages, options, parsed.tools)
-            elif isinstance(parsed.prompt, str):
-                tokens = engine.tokenize(parsed.prompt)
-            else:
-                tokens = list(parsed.prompt)
-            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
-                                notify=lambda: loop.call_soon_threadsafe(wake.set))
-            return len(tokens), tools.wrap(gen) if tools is not None else gen  # tools: calls parsed out of the text
+                fields = parsed.tools
+                return engine.chat(list(parsed.messages), parsed.options, tools=fields.tools or None,
+                                   tool_choice=fields.tool_choice, parallel_tool_calls=fields.parallel_tool_calls,
+                                   logprobs=parsed.logprobs, notify=notify)
+            return engine.generate(parsed.prompt, parsed.options, logprobs=parsed.logprobs, notify=notify)
 
         try:
-            n_prompt, gen = await self.prepare.run(start, "prompts", abandoned=lambda started: started[1].close())
+            gen = await self.prepare.run(start, "prompts", abandoned=lambda started: started.close())
         except edgeinfer.EdgeInferError as e:
             release()
             if engine.closed:
@@ -259,8 +259,8 @@ class _Service:
                 raise APIError(503, what, type="server_error", code="unavailable",
                                headers={"Retry-After": "1"}) from None
             if isinstance(e, edgeinfer.GrammarError):  # the request's constraint can never be met
-                field = "tools" if parsed.tools.active and parsed.options.grammar is None and \
-                    parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
+                field = "tools" if parsed.kind == "chat" and parsed.tools.active and parsed.options.grammar is None \
+                    and parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
                     else "response_format"
                 raise APIError(400, str(e), param=field) from None
             if isinstance(e, edgeinfer.ContextLengthError):  # the prompt's own field, by route
@@ -270,7 +270,8 @@ class _Service:
         except BaseException:
             release()
             raise
-        answer = reply(ReplyContext(parsed, engine.name, engine.token_bytes, n_prompt, loaded - started, started))
+        answer = reply(ReplyContext(parsed, engine.name, engine.token_bytes, len(gen.prompt_tokens), loaded - started,
+                                    started))
         if parsed.stream:
             def close() -> None:
                 gen.close()  # a client gone mid-stream cancels the request: its slot is free at the next step

@@ -1,6 +1,7 @@
 """Tools and structured output on the server: the OpenAI request fields checked into edgeinfer's
-types (a 400 naming the field for anything malformed), the prompt and options of a chat with
-tools, and the response pieces (`message.tool_calls`, streamed tool-call deltas).
+types (a 400 naming the field for anything malformed) and the response pieces (`message.tool_calls`,
+streamed tool-call deltas). The chat itself is the library's one sequence (`engine.chat(...,
+tools=...)`: the tools rendered into the prompt, the grammar, the calls parsed out of the events).
 
 Request fields: `tools`, `tool_choice` ("auto", "none", "required", or {"type": "function",
 "function": {"name": ...}}), `parallel_tool_calls`; assistant messages with `tool_calls` and
@@ -19,12 +20,11 @@ from typing import Any
 
 import edgeinfer
 from edgeinfer.engine.chat.template import normalize_messages
-from edgeinfer.engine.chat.tools import ToolSetup, normalize_tool_choice, normalize_tools, tool_request
+from edgeinfer.engine.chat.tools import normalize_tool_choice, normalize_tools
 
 from .errors import APIError
 
-__all__ = ["ToolFields", "parse_tool_fields", "parse_constraint", "chat_message", "prepare_chat",
-           "tool_call_json", "ToolDeltas"]
+__all__ = ["ToolFields", "parse_tool_fields", "parse_constraint", "chat_message", "tool_call_json", "ToolDeltas"]
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -121,21 +121,6 @@ def chat_message(m: Mapping[str, Any], i: int, content: str) -> dict[str, Any]:
         raise _bad(text.replace("messages[0]", f"messages[{i}]", 1) if text.startswith("messages[0]")
                    else f"messages[{i}]: {text}", "messages") from None
     return msg
-
-
-def prepare_chat(engine: Any, messages: Sequence[Mapping[str, Any]], options: edgeinfer.GenerateOptions,
-                 fields: ToolFields) -> tuple[list[int], edgeinfer.GenerateOptions, ToolSetup | None]:
-    """The prompt tokens, the options (with the tool grammar) and the tool setup (whose `wrap`
-    parses the generation's events) of a chat request. Runs in a worker thread (rendering,
-    tokenizing and compiling a grammar take time)."""
-    if not fields.tools:
-        return engine.chat_tokens(list(messages)), options, None
-    setup = tool_request(engine.chat_template, fields.tools, fields.tool_choice, fields.parallel_tool_calls,
-                         tokenize=lambda text, special: engine.tokenize(text, add_special=False, parse_special=special))
-    if setup.render_tools is None:  # tool_choice "none": no tools in the prompt, nothing parsed
-        return engine.chat_tokens(list(messages)), options, None
-    tokens = engine.chat_tokens(list(messages), tools=setup.render_tools)
-    return tokens, setup.options(options), setup
 
 
 def tool_call_json(call: edgeinfer.ToolCall) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """Flash attention chosen by timing it on and off (engine/llama/flash_choice.py): the verdict's rule, its
-measurement on the real default model, the store's verdict at the next load, and what it must not
-override (the user's setting, a quantized V cache, another thread count, a hostile store entry)."""
+measurement on the real default model (on either face), the store's verdict at the next load of
+either face, and what it must not override (the user's setting, a quantized V cache, another thread
+count, a hostile store entry)."""
 
 from __future__ import annotations
 
 import math
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,6 +44,8 @@ def test_the_verdict_weighs_a_whole_turn_and_keeps_llama_cpps_default_unless_off
     {"depth": 512, "prefill_on_s": 1, "prefill_off_s": 1, "decode_on_s": math.nan, "decode_off_s": 1},
     {"depth": 512, "prefill_on_s": 1, "prefill_off_s": -1, "decode_on_s": 1, "decode_off_s": 1},
     {"depth": 512, "prefill_on_s": 1, "prefill_off_s": 1, "decode_on_s": "1", "decode_off_s": 1},
+    {"depth": 512, "prefill_on_s": 1, "prefill_off_s": 1, "decode_on_s": 1, "decode_off_s": 1, "slots": 0},
+    {"depth": 512, "prefill_on_s": 1, "prefill_off_s": 1, "decode_on_s": 1, "decode_off_s": 1, "slots": True},
 ])
 def test_a_hostile_store_entry_is_no_verdict(default_model_path: Path, bad: object):
     store = Store()
@@ -89,19 +94,65 @@ def test_a_measured_verdict_is_used_by_the_next_load_and_overrides_nothing_the_u
             assert engine.options.flash_attn is None  # (llama.cpp turns it on for the quantized V cache)
 
 
-def test_the_servers_engine_takes_the_verdict_with_a_stream_per_slot_only(default_model_path: Path):
-    """A BatchEngine's rows each attend over their own slot's stream, as one sequence's do, so the
-    measured verdict holds there; with one cache for every slot (kv_unified) it is not ours to use."""
+FACES = {  # the faces and KV layouts a load can make: the verdict's rule is the same on each
+    "Engine": lambda **kw: edgeinfer.load(**kw),
+    "BatchEngine, a stream per slot": lambda **kw: edgeinfer.BatchEngine.load(
+        batch=edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False), **kw),
+    "BatchEngine, one cache": lambda **kw: edgeinfer.BatchEngine.load(
+        batch=edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False, kv_unified=True), **kw),
+}
+
+
+LAYOUT = {"Engine": 1, "BatchEngine, a stream per slot": 1, "BatchEngine, one cache": 2}  # FlashAttnChoice.slots
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_every_face_takes_the_verdict_measured_for_its_layout(default_model_path: Path, face: str):
+    """One rule on both faces: flash attention left unset takes the store's verdict for the face's
+    attention layout, one sequence's cells (an Engine; a BatchEngine's stream per slot) or N slots in
+    one cache (where flash attention skips the other slots' cells: a verdict of its own), and never
+    another layout's; the user's setting always wins."""
     store = Store()
+    options = LoadOptions(n_threads=2)
+    mine, other = LAYOUT[face], 1 if LAYOUT[face] == 2 else 2
+    remember_flash_attn(default_model_path, options, store, replace(_choice(0.02, 0.01), slots=other))
+    with FACES[face](n_ctx=512, n_threads=2) as engine:
+        assert engine.options.flash_attn is None  # only the other layout's verdict: llama.cpp's choice
     for verdict in (_choice(0.02, 0.01), _choice(0.01, 0.02)):
-        remember_flash_attn(default_model_path, LoadOptions(n_threads=2), store, verdict)
-        batch = edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False)
-        with edgeinfer.BatchEngine.load(batch=batch, n_ctx=512, n_threads=2) as be:
-            assert be.options.flash_attn is verdict.flash_attn
-            done = be.generate("Hello", edgeinfer.GenerateOptions(max_tokens=4)).result()
+        remember_flash_attn(default_model_path, options, store, replace(verdict, slots=mine))
+        with FACES[face](n_ctx=512, n_threads=2) as engine:
+            assert engine.options.flash_attn is verdict.flash_attn
+            done = engine.generate("Hello", edgeinfer.GenerateOptions(max_tokens=4)).result()
             assert done.stats.generated_tokens > 0
-        unified = edgeinfer.BatchOptions(parallel=2, calibrate_when_idle=False, kv_unified=True)
-        with edgeinfer.BatchEngine.load(batch=unified, n_ctx=512, n_threads=2) as be:
-            assert be.options.flash_attn is None
-        with edgeinfer.BatchEngine.load(batch=batch, n_ctx=512, n_threads=2, flash_attn=True) as be:
-            assert be.options.flash_attn is True
+    with FACES[face](n_ctx=512, n_threads=2, flash_attn=True) as engine:
+        assert engine.options.flash_attn is True
+    # a verdict stored under a layout's key but measured for another is no verdict
+    store.write_cache("flash-attn", verdict_key(default_model_path, options, mine),
+                      replace(_choice(0.02, 0.01), slots=other).to_dict())
+    assert with_measured_flash_attn(default_model_path, options, store, mine).flash_attn is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", FACES)
+def test_either_face_measures_the_verdict_of_its_layout_for_the_next_load(default_model_path: Path, face: str):
+    """`measure_flash_attn` on both faces, in the face's layout (one cache for every slot: a row of
+    each slot a step, over cells of its own); it waits for the running request (a BatchEngine runs
+    it between two steps of its scheduler), and the verdict it keeps is the next load's of that
+    layout, on either face."""
+    with FACES[face](n_ctx=512, n_threads=2) as engine:
+        assert engine.options.flash_attn is None
+        tokens = engine.tokenize("def add(a, b):\n    return a + b\n" * 20, add_special=True)[:96]
+        running = engine.generate("Once upon a time", edgeinfer.GenerateOptions(max_tokens=8))
+        worker = threading.Thread(target=running.result)
+        worker.start()
+        choice = engine.measure_flash_attn(tokens, steps=4)
+        worker.join(60)
+        assert running.done is not None and running.done.finish_reason in ("length", "eos")
+        assert choice.depth == 96 and choice.slots == LAYOUT[face] and min(choice.decode_on_s, choice.decode_off_s) > 0
+        with pytest.raises(edgeinfer.InvalidOptionError, match="prompt tokens"):
+            engine.measure_flash_attn([], steps=4)
+        with pytest.raises(edgeinfer.InvalidOptionError, match="prompt tokens"):
+            engine.measure_flash_attn(tokens * 10, steps=4)  # more than the context holds
+    for other, layout in LAYOUT.items():
+        with FACES[other](n_ctx=512, n_threads=2) as engine:
+            assert engine.options.flash_attn is (choice.flash_attn if layout == choice.slots else None)

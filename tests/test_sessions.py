@@ -64,8 +64,8 @@ def saved(f16, tmp_path_factory) -> dict:
     with edgeinfer.load(f16, n_ctx=2048) as engine:
         first = _chat(engine, HISTORY)
         conversation = HISTORY + [{"role": "assistant", "content": first.text}]
-        info = engine.save_session(path, conversation)
-        again = engine.save_session(path, conversation)  # the same state: the file is kept
+        info = engine.save_slot(0, path, conversation)
+        again = engine.save_slot(0, path, conversation)  # the same state: the file is kept
         # what this engine answers next without restarting (its cache is what was saved)
         follow = engine.chat(conversation + [NEXT], GREEDY)
         cont = follow.result()
@@ -106,7 +106,7 @@ def test_a_restarted_engine_reads_only_the_new_message_and_answers_the_same(save
     and a fresh engine's on the whole history (or parts from it only at a near-tie)."""
     conversation, prompt = saved["conversation"], saved["next_prompt"]
     with edgeinfer.load(f16, n_ctx=2048) as engine:
-        result = engine.restore_session(saved["path"], conversation + [NEXT])
+        result = engine.restore_slot(0, saved["path"], conversation + [NEXT])
         assert result and result.tokens == saved["info"].tokens and not _refusals(caplog)
         done = _chat(engine, conversation + [NEXT])
     stats = done.stats
@@ -155,7 +155,7 @@ def test_saving_while_another_thread_generates_waits_for_it(saved, f16, tmp_path
         out: dict = {}
         worker = threading.Thread(target=lambda: out.setdefault("done", gen.result()))
         worker.start()
-        info = engine.save_session(tmp_path / "during.kv")
+        info = engine.save_slot(0, tmp_path / "during.kv")
         worker.join()
         assert info.tokens > 0 and out["done"].finish_reason in ("length", "stop", "eos")
 
@@ -200,7 +200,7 @@ def _refused(engine, path, caplog, why: str, conversation=None) -> None:
         cached = list(engine._scheduler.slots[0].seq.cached)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        result = engine.restore_session(path, conversation)
+        result = engine.restore_slot(0, path, conversation)
     assert not result and why in result.reason, result.reason
     lines = _refusals(caplog)
     assert len(lines) == 1 and why in lines[0] and path.name in lines[0]
@@ -318,10 +318,10 @@ def test_saving_to_an_unwritable_place_is_one_error_and_nothing_left(engine, tmp
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("x")
     with pytest.raises(edgeinfer.StoreError, match="could not save"):
-        engine.save_session(blocker / "chat.kv")
+        engine.save_slot(0, blocker / "chat.kv")
     assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["not-a-directory"]
     with pytest.raises(edgeinfer.InvalidOptionError):
-        engine.save_session(tmp_path / "x.kv", "not a conversation")  # type: ignore[arg-type]
+        engine.save_slot(0, tmp_path / "x.kv", "not a conversation")  # type: ignore[arg-type]
 
 
 def _metadata_offsets(body: bytes) -> list[int]:
@@ -354,7 +354,7 @@ def test_forged_structure_never_reaches_llama_cpp_unchecked(engine, tmp_path, ca
     never aborts (llama.cpp's GGML_ASSERTs would kill pytest here)."""
     engine.generate("Tell me about the sea. " * 6, edgeinfer.GenerateOptions(max_tokens=8)).result()
     original = tmp_path / "short.kv"
-    engine.save_session(original)
+    engine.save_slot(0, original)
     data = original.read_bytes()
     length = struct.unpack("<I", data[-12:-8])[0]
     body = data[: len(data) - 12 - length]
@@ -374,7 +374,7 @@ def test_forged_structure_never_reaches_llama_cpp_unchecked(engine, tmp_path, ca
 
         _reseal(path, ggsq=poke)
         with caplog.at_level(logging.WARNING, logger=LOGGER):
-            if engine.restore_session(path):
+            if engine.restore_slot(0, path):
                 restored.append(at)
     assert set(restored) <= seq_ids and len(restored) < 40, restored
     done = engine.generate("Hello there", edgeinfer.GenerateOptions(max_tokens=4)).result()

@@ -23,6 +23,8 @@ from edgeinfer.engine.chat.tools import (
     normalize_tools,
     tool_request,
 )
+from edgeinfer.engine.core.request import RequestState
+from edgeinfer.engine.faces.generation import Generation
 from edgeinfer.errors import ChatTemplateError, InvalidOptionError
 
 WEATHER = {"type": "function", "function": {
@@ -243,30 +245,51 @@ def test_token_events_keep_their_fields_and_other_events_pass():
     assert out[-1].finish_reason == "tool_calls" and out[-1].tokens == [5, 6]
 
 
-def test_a_wrapped_generation_iterates_and_polls_parsed_events():
+class ScriptedFeed:
+    """A Generation's feed of scripted batches: the handle's tool layer without an engine."""
+
+    def __init__(self, batches: list[list]):
+        self.request = RequestState([1], edgeinfer.GenerateOptions(), lambda events, error: None)
+        self.batches = batches
+        self.phase = "running"
+
+    def take(self, wait: bool) -> list:
+        while self.batches:
+            batch = self.batches.pop(0)
+            if batch or not wait:
+                self.request.done = next((e for e in batch if isinstance(e, DoneEvent)), self.request.done)
+                return batch
+        return []
+
+    def interrupt(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_generation_with_tools_iterates_and_polls_parsed_events():
     text = ["Hi ", "<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
     events = [TokenEvent(i, t) for i, t in enumerate(text)] + [DoneEvent("".join(text), [0, 1, 2, 3], "eos",
                                                                          GenerationStats())]
-
-    class Polled:
-        done = None
-        finished = False
-
-        def __init__(self):
-            self.batches = [events[:2], [], events[2:]]
-
-        def poll(self):
-            return self.batches.pop(0)
-
     setup = tool_request(QWEN25, TOOLS)
-    gen = setup.wrap(iter(events))
+    gen = Generation(ScriptedFeed([events[:1], events[1:]]), setup.parser())
     assert gen.done is None
     out = list(gen)
     assert out[-1] is gen.done and gen.done.tool_calls[0].name == "get_time" and gen.done.text == "Hi "
-    polled = setup.wrap(Polled())
+    assert gen.finished
+    polled = Generation(ScriptedFeed([events[:2], [], events[2:]]), setup.parser())
     batches = [polled.poll() for _ in range(3)]
-    assert batches[1] == [] and polled.finished is False  # (other attributes are the generation's)
+    assert batches[1] == [] and len(batches[0]) == 2
     assert [type(e).__name__ for e in batches[2]][-1] == "DoneEvent" and polled.done.finish_reason == "tool_calls"
+    assert polled.finished and polled.poll() == []
+    # read before the end: `done` parses what is pending, which is still read afterwards
+    early = Generation(ScriptedFeed([events[:2], events[2:]]), setup.parser())
+    first = next(early)
+    assert early.done is None
+    early._req.done = events[-1]  # (white box: the core ended the request)
+    assert early.done.tool_calls[0].name == "get_time"
+    assert [first, *early][-1] is early.done
 
 
 def test_call_ids():
@@ -643,8 +666,8 @@ def test_required_forces_a_call_with_valid_arguments_on_the_default_model(defaul
     results = {}
     for choice in ("auto", "required"):
         setup = tool_request(template, [WEATHER], choice, parallel_tool_calls=False, tokenize=cv.tokenize)
-        prompt = chat_tokens(template, messages, cv, tools=setup.render_tools)
-        gen = setup.wrap(default_engine.generate(prompt, setup.options(options)))
+        gen = default_engine.chat(messages, options, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False)
+        assert gen.prompt_tokens == chat_tokens(template, messages, cv, tools=setup.render_tools)
         events = list(gen)
         assert events[-1] is gen.done is gen.result() and gen.stats.generated_tokens == len(events[-1].tokens)
         results[choice] = events[-1]

@@ -3,12 +3,12 @@
 The engine holds one conversation's cache at a time: the chat whose reply ran last, or whose saved
 state was restored last (the *resident* chat). Before the engine gives its cache to another chat,
 or is closed (another model, other KV-cache types, the app quitting), the resident chat's state is
-saved to `chat-sessions/chat-<id>.kv` beside `chats.sqlite3` (edgeinfer's Engine.save_session: a
-temporary name, renamed when complete, tied to the model file's hash, the KV-cache types and the
-tokens). When a chat goes back on the engine — it is opened, or its next message is sent — its state
-is restored (Engine.restore_session, which refuses a state of another model, other cache types or
-other tokens with a log line), so the first new token costs only the new message, not the whole
-history again.
+saved to `chat-sessions/chat-<id>.kv` beside `chats.sqlite3` (edgeinfer's `save_slot` of the
+engine's one slot, 0: a temporary name, renamed when complete, tied to the model file's hash, the
+KV-cache types and the tokens). When a chat goes back on the engine — it is opened, or its next
+message is sent — its state is restored (`restore_slot`, which refuses a state of another model,
+other cache types or other tokens with a log line), so the first new token costs only the new
+message, not the whole history again.
 
 No UI here: the model host calls it from worker threads (and at exit); the chat view only says
 "resumed (N tokens cached)". An engine without these methods (a test's scripted one) has no
@@ -32,6 +32,7 @@ __all__ = ["ChatSessions", "Resident", "MIN_TOKENS"]
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 64  # a state shorter than this is not worth a file: reading it again takes a blink
+SLOT = 0  # the chat's engine (an Engine) has one slot
 _FILE = re.compile(r"chat-(\d+)\.kv\Z")
 
 
@@ -46,7 +47,7 @@ class Resident:
 
 
 def _supports(engine: Any) -> bool:
-    return callable(getattr(engine, "save_session", None)) and callable(getattr(engine, "restore_session", None))
+    return callable(getattr(engine, "save_slot", None)) and callable(getattr(engine, "restore_slot", None))
 
 
 class ChatSessions:
@@ -81,7 +82,7 @@ class ChatSessions:
                 return None
             path = self.path_for(r.chat_id)
             try:
-                info = engine.save_session(path, list(r.conversation))
+                info = engine.save_slot(SLOT, path, list(r.conversation))
             except (edgeinfer.EdgeInferError, OSError) as e:
                 log.warning("chat %d: its KV state was not saved: %s", r.chat_id, e)
                 return None
@@ -111,7 +112,7 @@ class ChatSessions:
             if not path.is_file():
                 return None
             try:
-                result = engine.restore_session(path, conversation)
+                result = engine.restore_slot(SLOT, path, conversation)
             except (edgeinfer.EdgeInferError, OSError) as e:
                 log.warning("chat %d: its KV state was not restored: %s", chat_id, e)
                 return None

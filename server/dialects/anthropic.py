@@ -33,7 +33,7 @@ import edgeinfer
 from ..errors import APIError, from_library_error
 from ..finite_json import JSONResponse
 from ..routing import acquire, plan_for
-from ..tools import prepare_chat
+from ..tools import ToolFields
 from .anthropic_reply import AnthropicReply
 from .common import (MAX_ITEMS, Translated, bad, bool_field, check_fields, check_object, flat_tools, int_field,
                      list_field, number_field, parse_translated, renamed_error, text_field)
@@ -217,6 +217,14 @@ async def handle_messages(service: Any, request: Request) -> Response:
         raise renamed_error(e, _NAMES) from None
 
 
+def _prompt_tokens(engine: Any, messages: Any, fields: ToolFields) -> list[int]:
+    """The chat prompt `engine.chat` would read for these messages and tools (in a worker thread:
+    rendering and tokenizing take time)."""
+    offered = engine.tool_setup(fields.tools, fields.tool_choice, fields.parallel_tool_calls).render_tools \
+        if fields.tools else None
+    return engine.chat_tokens(list(messages), tools=offered)
+
+
 async def handle_count_tokens(service: Any, request: Request) -> Response:
     """The prompt's tokens as the model's chat template renders it (tools included)."""
     body = await service.read_json(request)
@@ -225,8 +233,8 @@ async def handle_count_tokens(service: Any, request: Request) -> Response:
     parsed = await run_in_threadpool(parse_translated, translated, plan, service.max_tokens_limit(plan))
     lease = await acquire(service.models, parsed.model, None, request)
     try:
-        tokens, _, _ = await service.prepare.run(
-            lambda cancel: prepare_chat(lease.engine, parsed.messages, parsed.options, parsed.tools), "prompts")
+        tokens = await service.prepare.run(
+            lambda cancel: _prompt_tokens(lease.engine, parsed.messages, parsed.tools), "prompts")
     except edgeinfer.EdgeInferError as e:
         raise renamed_error(from_library_error(e), _NAMES) from None
     finally:

@@ -170,21 +170,23 @@ class ScriptedEngine:
         return ScriptedGeneration(tokens, self.backend.delay, self.backend.gate, options.speculation.method, preparing,
                                   self.backend.prefill, calls)
 
-    # Saved KV state, as Engine.save_session / restore_session: the file records the model, its KV
+    # Saved KV state, as Engine.save_slot / restore_slot (its one slot, 0): the file records the model, its KV
     # types and the conversation; a restore needs the same model and types and a conversation that
     # begins with the saved one. A state's "tokens": a quarter of its turns' characters.
     @staticmethod
     def _tokens(conversation: list[dict[str, str]]) -> int:
         return sum(len(m["content"]) for m in conversation if m["role"] != "system") // 4
 
-    def save_session(self, path, conversation=None) -> edgeinfer.SessionInfo:
+    def save_slot(self, slot, path, conversation=None) -> edgeinfer.SessionInfo:
+        assert slot == 0
         saved = [dict(m) for m in conversation or []]
         self.backend.session_calls.append(("save", self.ref, Path(path).name, saved))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"ref": self.ref, "kv": list(self.kv_types), "conversation": saved}))
         return edgeinfer.SessionInfo(Path(path), self._tokens(saved), Path(path).stat().st_size, 0.0)
 
-    def restore_session(self, path, conversation=None) -> edgeinfer.RestoreResult:
+    def restore_slot(self, slot, path, conversation=None) -> edgeinfer.RestoreResult:
+        assert slot == 0
         data = json.loads(Path(path).read_text())
         saved = data["conversation"]
         self.backend.session_calls.append(("restore", self.ref, Path(path).name, saved))

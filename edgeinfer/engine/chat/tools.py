@@ -14,7 +14,9 @@ One request with tools goes through three steps, all prepared by `tool_request`:
 3. The output: `ToolCallParser` turns the stream of TokenEvents into content TokenEvents and
    ToolCallEvents (OpenAI's streamed `tool_calls[i].function.arguments` chunks), holding back only
    text that may be the start of a call marker, and ends with a DoneEvent whose `tool_calls` are the
-   complete calls, `text` the content and `finish_reason` "tool_calls" when calls were made.
+   complete calls, `text` the content and `finish_reason` "tool_calls" when calls were made. The
+   parser is a layer of the request's Generation (engine/faces/generation.py), on either face;
+   `chat(..., tools=...)` (engine/faces/common.py) runs the three steps, for the server too.
 
 The call formats and their parser: engine/chat/tool_parser.py.
 """
@@ -23,13 +25,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ...errors import InvalidOptionError
-from ..core.events import DoneEvent, Event
 from ..structured.grammar import Grammar
 from ..structured.json_schema import json_schema_to_grammar
 from ..core.options import GenerateOptions
@@ -51,7 +51,6 @@ __all__ = [
     "FORMATS",
     "ToolSetup",
     "ToolCallParser",
-    "ToolGeneration",
     "ToolChoice",
     "detect_format",
     "normalize_tools",
@@ -167,10 +166,6 @@ class ToolSetup:
                               markers=self.markers, parallel=self.parallel,
                               enabled=self.render_tools is not None)
 
-    def wrap(self, generation: Any) -> ToolGeneration:
-        """`generation` (an Engine's Generation or a BatchGeneration) with its events parsed."""
-        return ToolGeneration(generation, self.parser())
-
 
 def tool_request(
     template: str,
@@ -209,56 +204,6 @@ def tool_request(
         grammar = _grammar(fmt, checked, choice, function, parallel, start_token)
     return ToolSetup(format=fmt, tools=checked, choice=choice, function=function, parallel=parallel,
                      grammar=grammar, markers=markers)
-
-
-class ToolGeneration:
-    """A generation whose events pass through a ToolCallParser: iterate it (or `poll()` a
-    BatchGeneration's) for content TokenEvents, ToolCallEvents and the DoneEvent with `tool_calls`;
-    `done` and `result()` give that DoneEvent; everything else (cancel, close, stats, options,
-    finished, ...) is the wrapped generation's."""
-
-    def __init__(self, generation: Any, parser: ToolCallParser):
-        self._gen = generation
-        self._parser = parser
-        self._queue: deque[Event] = deque()
-        self._done: DoneEvent | None = None
-
-    def _parse(self, events: Iterable[Event]) -> list[Event]:
-        out = list(self._parser.events(events))
-        for e in out:
-            if isinstance(e, DoneEvent):
-                self._done = e
-        return out
-
-    def __iter__(self) -> ToolGeneration:
-        return self
-
-    def __next__(self) -> Event:
-        while not self._queue:
-            self._queue.extend(self._parse([next(self._gen)]))  # StopIteration ends this one too
-        return self._queue.popleft()
-
-    def poll(self) -> list[Event]:
-        batch = self._gen.poll()
-        return self._parse(batch) if batch else batch
-
-    @property
-    def done(self) -> DoneEvent | None:
-        """The DoneEvent with the calls, once the generation has ended (also when closed early)."""
-        if self._done is None and getattr(self._gen, "done", None) is not None:
-            self._parse([self._gen.done])  # ended without its DoneEvent being read here
-        return self._done
-
-    def result(self) -> DoneEvent:
-        """Run to the end; the DoneEvent (content as `text`, the calls as `tool_calls`)."""
-        for _ in self:
-            pass
-        done = self.done
-        assert done is not None
-        return done
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gen, name)
 
 
 # -- grammar ---------------------------------------------------------------------------------------

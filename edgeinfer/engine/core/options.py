@@ -27,6 +27,7 @@ __all__ = [
     "SamplingOptions",
     "SpeculationOptions",
     "GenerateOptions",
+    "BatchOptions",
     "KV_TYPES",
     "SPECULATION_METHODS",
     "DEFAULT_LOAD",
@@ -67,7 +68,7 @@ class LoadOptions:
     n_threads: int | None = None  # None: EDGEINFER_THREADS, else the cores others leave free (edgeinfer.cpu)
     n_batch: int = 512
     kv_type: str = "f16"  # type of both K and V caches (edgeinfer.kv_types.KV_TYPE_NAMES)
-    # None: an Engine takes the store's measured verdict (engine/llama/flash_choice.py), else llama.cpp's
+    # None: either face takes the store's measured verdict (engine/llama/flash_choice.py), else llama.cpp's
     # choice (on for the CPU); on whenever the V cache is quantized (llama.cpp needs it there)
     flash_attn: bool | None = None
     kv_type_k: str | None = None  # K cache type; None: kv_type
@@ -319,6 +320,65 @@ class GenerateOptions:
             return replace(self, sampling=replace(self.sampling, **changes))  # type: ignore[arg-type]
         except TypeError as e:  # an unknown field name
             raise InvalidOptionError(f"invalid sampling option: {e}") from None
+
+
+IDLE_CALIBRATION_ENV = "EDGEINFER_IDLE_CALIBRATION"
+
+
+def idle_calibration_default() -> bool:
+    """BatchOptions.calibrate_when_idle's default: on, unless $EDGEINFER_IDLE_CALIBRATION is 0
+    (the test suite's servers and engines set it: speculation/calibration.py is the calibration)."""
+    return os.environ.get(IDLE_CALIBRATION_ENV, "1").strip() != "0"
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a BatchEngine schedules: slots, per-request buffering, drafting."""
+
+    parallel: int = 4  # slots = sequences decoded together; the context is split between them
+    # One KV cache for every slot (llama-server's -kvu): any mix of rows decodes as one ubatch, but
+    # each row attends over every slot's cells. False: a stream per slot, as llama-server's -np N
+    # (engine/llama/runtime.py says what each costs). A model with MTP layers keeps one cache.
+    kv_unified: bool = False
+    max_backlog: int = 256  # unread events after which a request pauses (a slow reader)
+    # Most prompt rows a step takes while other requests decode; None: the cost curve's knee (see
+    # engine/core/scheduler.py). Nothing decoding: waiting prompts fill the whole ubatch either way.
+    prefill_chunk: int | None = None
+    # While prompts are read, the longest a request already decoding waits for its next token, in
+    # seconds (0: it takes every step). Each step it takes costs a ubatch of its own beside the
+    # prompt chunk (a KV stream per slot) and staggers when the streams end; scheduler.py says why 10,
+    # and why prompts submitted before a request's first token may hold it longer (0: never).
+    decode_wait: float = 10.0
+    draft_max: int = 16  # most drafted rows per slot and step
+    margin: float = 0.03  # drafting must beat not drafting by this fraction
+    # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
+    # None: the store's measurement (or the size prior), refined while idle and from every step.
+    cost_curve: Mapping[int, float] | None = None
+    # Measure the cost curve while no request runs (default: yes, unless $EDGEINFER_IDLE_CALIBRATION=0).
+    calibrate_when_idle: bool = field(default_factory=idle_calibration_default)
+
+    def validate(self) -> BatchOptions:
+        _int("", "parallel", self.parallel, 1, 64)
+        _instance("", "kv_unified", self.kv_unified, bool, "True or False")
+        _int("", "max_backlog", self.max_backlog, 1)
+        if self.prefill_chunk is not None:
+            _int("", "prefill_chunk", self.prefill_chunk, 1)
+        _number("", "decode_wait", self.decode_wait)
+        if not 0 <= self.decode_wait <= 3600:
+            raise InvalidOptionError(f"decode_wait must be seconds in [0, 3600], got {self.decode_wait!r}")
+        _int("", "draft_max", self.draft_max, 0, 64)
+        _number("", "margin", self.margin)
+        if not 0 <= self.margin <= 1:
+            raise InvalidOptionError(f"margin must be a fraction in [0, 1], got {self.margin!r}")
+        _instance("", "calibrate_when_idle", self.calibrate_when_idle, bool, "True or False")
+        if self.cost_curve is not None:
+            _instance("", "cost_curve", self.cost_curve, Mapping, "seconds by row count (a mapping) or None")
+            for rows, seconds in self.cost_curve.items():
+                _int("cost_curve ", "rows", rows, 1)
+                _number("cost_curve ", "seconds", seconds)
+            if 1 not in self.cost_curve or any(not t > 0 for t in self.cost_curve.values()):
+                raise InvalidOptionError("cost_curve needs positive seconds by row count, including 1 row")
+        return self
 
 
 # The defaults, for front ends to show and to use (one source: the dataclass fields above).

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,15 +40,18 @@ EventSink = Callable[[list[Event], "BaseException | None"], None]
 class RequestState:
     """Everything the core tracks for one request, from queued to done. The face that submitted it
     reads its events through `sink` (called by the core, on the core's thread, with each step's
-    events) and cancels it with `cancel`."""
+    events) and cancels it with `cancel`. `owner` is a weak reference to the handle its reader holds
+    (faces/generation.py): a request whose handle is gone is `abandoned`, and whoever owns the core
+    cancels it at its next step (no code runs when a handle is garbage)."""
 
     def __init__(self, prompt: list[int], options: GenerateOptions, sink: EventSink, *,
-                 logprobs: int | None = None, cancel: threading.Event | None = None, sampler: Sampler | None = None):
+                 logprobs: int | None = None, sampler: Sampler | None = None):
         self.prompt = prompt
         self.options = options
         self.sink = sink
         self.logprobs = logprobs
-        self.cancel = cancel or threading.Event()
+        self.cancel = threading.Event()
+        self.owner: weakref.ref[Any] | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.t_submit = time.perf_counter()
         # Its sampler, made when the request was checked where it has a grammar (compiled once,
@@ -73,8 +77,9 @@ class RequestState:
 
     # -- state -----------------------------------------------------------------------------------
     @property
-    def admitted(self) -> bool:
-        return self.seq is not None
+    def abandoned(self) -> bool:
+        """Its reader dropped the handle: nobody will read what it makes."""
+        return self.owner is not None and self.owner() is None
 
     @property
     def prefilling(self) -> bool:
@@ -205,8 +210,6 @@ class RequestState:
         self.sink([], error)
 
     def release(self) -> None:
-        """Free what the request holds besides its slot (sampler, drafter state)."""
-        if self.speculation is not None:
-            self.speculation.close()
+        """Free what the request holds besides its slot (its sampler; a drafter keeps nothing per request)."""
         if self.sampler is not None:
             self.sampler.close()

@@ -163,10 +163,6 @@ class Scheduler:
         self._pause_slow_readers()
         return any(r.cancel.is_set() or r.prefilling or not r.paused for r in self.active)
 
-    def cancel_all(self) -> None:
-        for r in self.waiting + self.active:
-            r.cancel.set()
-
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> bool:
         """Admit, plan, decode once, verify, commit. False when there was nothing to do."""

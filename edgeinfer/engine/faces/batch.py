@@ -4,8 +4,8 @@ One context holds N sequences (one unified KV cache, each slot limited to n_ctx 
 llama-server's -c / -np split it). A scheduler thread steps the core (engine/core/scheduler.py): each
 step is ONE `llama_decode` holding every running request's next token and drafts and the prompt
 chunks of those starting. Any number of threads submit requests with `submit()` / `generate()` /
-`chat()` and read their events from the returned `BatchGeneration`, an iterator like
-`Generation`, fed through a bounded per-request channel: a reader that falls `max_backlog` events
+`chat()` and read their events from the returned `Generation` (the same handle as Engine's), fed
+through a bounded per-request channel (faces/channel.py): a reader that falls `max_backlog` events
 behind pauses its own request, never the others.
 
 Speculation is every method `Engine` has — prompt lookup, a draft model or self-draft (one draft
@@ -25,34 +25,31 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ...cancel import CancelToken, raise_if_cancelled
-from ...errors import ContextLengthError, EdgeInferError, EngineBusyError, EngineClosedError, InvalidOptionError
+from ...errors import ContextLengthError, EdgeInferError, EngineClosedError, InvalidOptionError
 from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
-from ...validate import admit
-from .channel import BatchGeneration, Channel
-from ..chat.template import Message
+from .channel import ChannelFeed
+from ..chat.tool_parser import ToolCallParser
+from .generation import Generation
+from .loading import load_face, speculation_options
 from .speculation_setup import DraftModels, ProgressCallback, TargetModel, draft_key
 from ..core.events import ScoredTokenEvent
 from .common import ModelFace
 from ..llama.flash_choice import with_measured_flash_attn
 from ..llama.runtime import LlamaRuntime
-from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
+from ..core.options import BatchOptions, GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.request import RequestState
 from ..core.sampler import Sampler
-from ..core.scheduler import Scheduler
-from ..core.sequence import KVSequence
-from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
-from ..chat.tools import ToolGeneration
-from ..speculation.calibration import IdleCalibration, idle_calibration_default
+from ..core.scheduler import Scheduler, Slot
+from ..speculation.calibration import IdleCalibration
 from ..speculation.head_models import mtp_layers
 from ..speculation.policy import CostModel, plan_drafts
 
@@ -68,52 +65,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-@dataclass(frozen=True)
-class BatchOptions:
-    """How a BatchEngine schedules: slots, per-request buffering, drafting."""
+# BatchGeneration is Generation: one handle on both faces (faces/generation.py); the name stays for
+# code written against it.
+BatchGeneration = Generation
 
-    parallel: int = 4  # slots = sequences decoded together; the context is split between them
-    # One KV cache for every slot (llama-server's -kvu): any mix of rows decodes as one ubatch, but
-    # each row attends over every slot's cells. False: a stream per slot, as llama-server's -np N
-    # (engine/llama/runtime.py says what each costs). A model with MTP layers keeps one cache.
-    kv_unified: bool = False
-    max_backlog: int = 256  # unread events after which a request pauses (a slow reader)
-    # Most prompt rows a step takes while other requests decode; None: the cost curve's knee (see
-    # engine/core/scheduler.py). Nothing decoding: waiting prompts fill the whole ubatch either way.
-    prefill_chunk: int | None = None
-    # While prompts are read, the longest a request already decoding waits for its next token, in
-    # seconds (0: it takes every step). Each step it takes costs a ubatch of its own beside the
-    # prompt chunk (a KV stream per slot) and staggers when the streams end; scheduler.py says why 10,
-    # and why prompts submitted before a request's first token may hold it longer (0: never).
-    decode_wait: float = 10.0
-    draft_max: int = 16  # most drafted rows per slot and step
-    margin: float = 0.03  # drafting must beat not drafting by this fraction
-    # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
-    # None: the store's measurement (or the size prior), refined while idle and from every step.
-    cost_curve: Mapping[int, float] | None = None
-    # Measure the cost curve while no request runs (default: yes, unless $EDGEINFER_IDLE_CALIBRATION=0).
-    calibrate_when_idle: bool = field(default_factory=idle_calibration_default)
-
-    def validate(self) -> BatchOptions:
-        if not isinstance(self.kv_unified, bool):
-            raise InvalidOptionError(f"kv_unified must be True or False, got {self.kv_unified!r}")
-        if not 1 <= self.parallel <= 64:
-            raise InvalidOptionError(f"parallel must be in [1, 64], got {self.parallel}")
-        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or not isinstance(
-                self.prefill_chunk, int) or self.prefill_chunk < 1):
-            raise InvalidOptionError(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
-        if isinstance(self.decode_wait, bool) or not isinstance(self.decode_wait, int | float) or \
-                not 0 <= self.decode_wait <= 3600:
-            raise InvalidOptionError(f"decode_wait must be seconds in [0, 3600], got {self.decode_wait!r}")
-        if self.max_backlog < 1:
-            raise InvalidOptionError(f"max_backlog must be at least 1, got {self.max_backlog}")
-        if not 0 <= self.draft_max <= 64:
-            raise InvalidOptionError(f"draft_max must be in [0, 64], got {self.draft_max}")
-        if self.cost_curve is not None and (
-                1 not in self.cost_curve or any(b < 1 or not t > 0 for b, t in self.cost_curve.items())):
-            raise InvalidOptionError("cost_curve needs positive seconds by row count, including 1 row")
-        return self
+# While every running request waits for its reader, how often the scheduler looks for one whose
+# reader dropped its handle (RequestState.abandoned): that request is cancelled and its slot freed.
+ABANDONED_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -169,6 +129,8 @@ class BatchEngine(ModelFace):
         self.path = Path(path)
         self.info = info
         self.manifest = manifest
+        if batch is not None and not isinstance(batch, BatchOptions):
+            raise InvalidOptionError(f"batch must be BatchOptions, got {type(batch).__name__}")
         self.batch_options = (batch or BatchOptions()).validate()
         self.store = store or Store()
         n = self.batch_options.parallel
@@ -178,14 +140,14 @@ class BatchEngine(ModelFace):
             raise ContextLengthError(f"a context of {options.n_ctx} tokens split between {n} slots leaves "
                                      f"{options.n_ctx // n} per slot: raise --ctx or lower --parallel")
         mtp = mtp_layers(info) > 0
+        spec = speculation_options(speculation) if speculation is not None else None
         # A drafting head reads the target's hidden states by batch row, and llama.cpp reorders
         # only logits when it cuts a batch into per-stream ubatches: with heads, one cache.
-        head = isinstance(speculation, str) and speculation.strip().partition("=")[0] in ("mtp", "eagle3") or \
-            isinstance(speculation, SpeculationOptions) and speculation.method in ("mtp", "eagle3")
-        unified = self.batch_options.kv_unified or mtp or head
-        if not unified:  # the measured flash-attention verdict holds for a stream per slot too (flash_choice)
-            options = with_measured_flash_attn(self.path, options, self.store)
-        self.options = options
+        unified = self.batch_options.kv_unified or mtp or (spec is not None and spec.method in ("mtp", "eagle3"))
+        # flash attention left to us: the verdict measured for this layout, as on Engine (a stream per
+        # slot attends as one sequence does; one cache for every slot is a layout of its own: flash_choice)
+        self._flash_slots = n if unified and n > 1 else 1
+        self.options = options = with_measured_flash_attn(self.path, options, self.store, self._flash_slots)
         self._runtime = LlamaRuntime(self.path, options, n_seq_max=n, load_mtp=mtp, kv_unified=unified)
         self._note_placement()
         rt = self._runtime
@@ -206,15 +168,15 @@ class BatchEngine(ModelFace):
         self._calibration = IdleCalibration(costs, self._core.idle_sequence) if calibrate else None
         self._cond = threading.Condition()
         self._inbox: collections.deque[RequestState] = collections.deque()
-        self._slot_calls: list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]] = []
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # run between steps
         self._submitted = 0
         self._closing = False
         self._closed = False
         self._dead: BaseException | None = None
         try:
             raise_if_cancelled(cancel, f"loading {self.name}")
-            if speculation is not None:
-                self.prepare_speculation(speculation, progress=progress, cancel=cancel)
+            if spec is not None:
+                self.prepare_speculation(spec, progress=progress, cancel=cancel)
         except BaseException:
             self._drafts.close()
             rt.close()
@@ -239,16 +201,10 @@ class BatchEngine(ModelFace):
         `n_ctx` is the whole context, split evenly between the `batch.parallel` slots (as
         llama-server's -c and -np); keyword arguments are LoadOptions fields. `speculation`: the
         method requests may use besides off and lookup (e.g. "draft=MODEL", "self=Q4_K_M",
-        "auto"), its draft model prepared now, reporting to `progress`."""
-        known = {f.name for f in fields(LoadOptions)}
-        unknown = set(load_options) - known
-        if unknown:
-            raise InvalidOptionError(f"unknown load option(s): {', '.join(sorted(unknown))}")
-        options = replace(options or LoadOptions(), **load_options).validate()
-        store = store or Store()
-        path, manifest = store.resolve(model)
-        return cls(path, admit(path, store, manifest), options, batch, manifest=manifest, store=store,
-                   speculation=speculation, progress=progress)
+        "auto"), its draft model prepared now, reporting to `progress`. (edgeinfer.load is the
+        same path: faces/loading.py.)"""
+        return load_face(cls, model, options, store=store, speculation=speculation, progress=progress,
+                         load_options=load_options, batch=batch)
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -282,7 +238,7 @@ class BatchEngine(ModelFace):
         use) and make it the engine's method: requests may then use it, or off, or lookup.
         `cancel` (an Event or a callable) stops a self-draft's quantization with `Cancelled`."""
         self._check_open()
-        spec = SpeculationOptions.parse(speculation) if isinstance(speculation, str) else speculation.validate()
+        spec = speculation_options(speculation)
         # A head, or a hybrid model's rollback snapshots, change the context: only before the thread runs.
         self._drafts.prepare(spec, progress, cancel,
                              exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
@@ -297,19 +253,6 @@ class BatchEngine(ModelFace):
                 f"(it speculates with {self.speculation.method!r}; use off, lookup or that)")
 
     # -- requests --------------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None, **kw: Any) -> BatchGeneration:
-        """Raw completion of a prompt (text, or token ids used as they are)."""
-        self._check_open()
-        return self.submit(self._prompt_ids(prompt), options, **kw)
-
-    def chat(self, messages: Sequence[Message], options: GenerateOptions | None = None, *,
-             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
-             parallel_tool_calls: bool = True, **kw: Any) -> BatchGeneration | ToolGeneration:
-        """Continue a conversation as the assistant, with the model's own template (`tools`: as
-        Engine.chat; keyword arguments: as submit)."""
-        return self._with_tools(messages, options, tools, tool_choice, parallel_tool_calls,
-                                lambda tokens, opts: self.submit(tokens, opts, **kw))
-
     def _checked(self, tokens: Sequence[int], options: GenerateOptions | None) -> tuple[GenerateOptions, Sampler | None]:
         options, sampler = super()._checked(tokens, options)
         try:
@@ -320,41 +263,25 @@ class BatchEngine(ModelFace):
             raise
         return options, sampler
 
-    def submit(
-        self,
-        tokens: Sequence[int],
-        options: GenerateOptions | None = None,
-        *,
-        logprobs: int | None = None,
-        notify: Callable[[], None] | None = None,
-    ) -> BatchGeneration:
-        """Queue a request (prompt token ids); it starts when a slot is free.
-
-        logprobs: None, or how many alternatives (0..20) to report with each token's logprob
-        (its events are then ScoredTokenEvent). notify: called from the scheduler thread each
-        time events arrive; it must not block."""
-        self._check_open()
-        tokens = self._token_ids(tokens)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= 20):
-            raise InvalidOptionError(f"logprobs must be an integer in [0, 20], got {logprobs!r}")
-        options, sampler = self._checked(tokens, options)
-        ch = Channel(notify, self._wake, self._thread.is_alive, self.batch_options.max_backlog)
-        req = RequestState(tokens, options, ch.push, logprobs=logprobs, sampler=sampler)
-        req.backlog = ch.backlog
+    def _start(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
+               notify: Callable[[], None] | None, tools: ToolCallParser | None) -> Generation:
+        """Queue the request; it starts when a slot is free."""
+        feed = ChannelFeed(tokens, options, sampler, logprobs, notify, self._wake, self._thread.is_alive,
+                           self.batch_options.max_backlog)
+        generation = Generation(feed, tools)  # (its reader's handle, before the scheduler sees the request)
         with self._cond:
             if self._closing or self._closed or self._dead is not None:
-                req.release()
+                feed.request.release()  # (its sampler: the request never reaches the core)
             if self._closing or self._closed:
                 raise EngineClosedError("this engine is shutting down")
             if self._dead is not None:
                 raise EngineClosedError(f"this engine's scheduler stopped: {self._dead}")
-            self._inbox.append(req)
+            self._inbox.append(feed.request)
             self._submitted += 1
             if self._calibration is not None and self._calibration.armed:
                 self._calibration.interrupt()  # the request must not wait for a calibration decode
             self._cond.notify_all()
-        return BatchGeneration(ch, req)
+        return generation
 
     def cancel_all(self) -> None:
         """Cancel every queued and running request (each still ends with a DoneEvent)."""
@@ -399,48 +326,18 @@ class BatchEngine(ModelFace):
         out = {int(k): v for k, v in costs.to_dict().items() if k.isdigit()}
         return out if len(out) > 1 else {}
 
-    # -- saved slots (engine/state/session.py) ---------------------------------------------------------
-    def save_slot(self, slot: int, path: str | os.PathLike[str],
-                  conversation: Sequence[Message] | Sequence[int] | None = None, *,
-                  max_bytes: int | None = None) -> SessionInfo:
-        """Save slot `slot`'s KV cache to `path` (as Engine.save_session), on the scheduler thread
-        between two steps; `max_bytes`: DiskSpaceError, before writing, for a state that could take
-        more (a server's quota). EngineBusyError while a request runs on the slot."""
-        keep = conversation_tokens(self, conversation)
-        identity = face_identity(self)
-        return self._on_idle_slot(slot, lambda seq: seq.save(path, identity, keep, max_bytes=max_bytes))
+    # -- the context to itself, between two steps (a slot's KV state, a flash-attention measurement) --
+    def _slots(self) -> list[Slot]:
+        return self._core.slots
 
-    def restore_slot(self, slot: int, path: str | os.PathLike[str],
-                     conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:
-        """Load the state saved at `path` into slot `slot` when every check passes (as
-        Engine.restore_session: a refusal is a log line and a false result). EngineBusyError while a
-        request runs on the slot."""
-        keep = conversation_tokens(self, conversation)
-        identity = face_identity(self)
-        return self._on_idle_slot(slot, lambda seq: seq.load(path, identity, keep))
-
-    def erase_slot(self, slot: int) -> int:
-        """Empty slot `slot`'s KV cache; returns how many tokens it held. EngineBusyError while a
-        request runs on the slot."""
-
-        def erase(seq: KVSequence) -> int:
-            n = len(seq)
-            seq.clear()
-            return n
-
-        return self._on_idle_slot(slot, erase)
-
-    def _on_idle_slot(self, slot: int, fn: Callable[[KVSequence], Any]) -> Any:
-        """Run fn(the slot's sequence) on the scheduler thread between two steps and return its
-        result (or raise its error); EngineBusyError when a request holds the slot then."""
+    def _exclusively(self, fn: Callable[[], T]) -> T:
+        """Run fn() on the scheduler thread between two steps and return its result (or raise its error)."""
         self._check_open()
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.parallel:
-            raise InvalidOptionError(f"slot must be an integer in [0, {self.parallel - 1}], got {slot!r}")
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cond:
             if self._closing or self._closed or self._dead is not None:
                 raise EngineClosedError("this engine is shutting down")
-            self._slot_calls.append((slot, fn, future))
+            self._calls.append((fn, future))
             if self._calibration is not None and self._calibration.armed:
                 self._calibration.interrupt()
             self._cond.notify_all()
@@ -449,21 +346,13 @@ class BatchEngine(ModelFace):
                 return future.result(timeout=0.5)
             except concurrent.futures.TimeoutError:
                 if not self._thread.is_alive() and not future.done():
-                    raise EngineClosedError("the engine's scheduler stopped before the slot was free") from None
+                    raise EngineClosedError("the engine's scheduler stopped before it could run this") from None
 
-    def _take_slot_calls(self) -> list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]]:
-        calls, self._slot_calls = self._slot_calls, []  # holds self._cond
-        return calls
-
-    def _run_slot_calls(self, calls: list[tuple[int, Callable[[KVSequence], Any], concurrent.futures.Future[Any]]]) -> None:
-        """On the scheduler thread, between steps: each call on its slot, unless a request holds it."""
-        for index, fn, future in calls:
-            slot = self._core.slots[index]
-            if slot.request is not None:
-                future.set_exception(EngineBusyError(f"slot {index} is busy with a request"))
-                continue
+    @staticmethod
+    def _run_calls(calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
+        for fn, future in calls:
             try:
-                future.set_result(fn(slot.seq))
+                future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - the caller gets it; the scheduler goes on
                 future.set_exception(e)
 
@@ -512,7 +401,10 @@ class BatchEngine(ModelFace):
                 with self._cond:
                     while self._inbox:
                         core.submit(self._inbox.popleft())
-                    calls = self._take_slot_calls()
+                    for r in core.waiting + core.active:
+                        if r.abandoned:  # its reader dropped the handle: nobody reads what it makes
+                            r.cancel.set()
+                    calls, self._calls = self._calls, []
                     if calls:
                         calibrate = False
                     elif not core.has_work():
@@ -520,13 +412,13 @@ class BatchEngine(ModelFace):
                             return
                         if self._calibration is not None and not self._closing and self._calibration.pending():
                             calibrate = True
-                        else:
-                            self._cond.wait()
+                        else:  # (readers that are behind: look again for one that dropped its handle)
+                            self._cond.wait(ABANDONED_CHECK_S if self._busy() else None)
                             continue
                     else:
                         calibrate = False
                 if calls:
-                    self._run_slot_calls(calls)
+                    self._run_calls(calls)
                     continue
                 if calibrate:
                     self._calibrate_once()

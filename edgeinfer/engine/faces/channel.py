@@ -1,19 +1,21 @@
-"""A BatchEngine request as its submitter sees it: the bounded channel the scheduler thread fills
-and the reader drains (`BatchGeneration`, an iterator of events that also polls without blocking)."""
+"""BatchEngine's way of feeding a Generation: the bounded channel the scheduler thread fills and
+the reader drains (`ChannelFeed`, the handle's strategy; faces/generation.py)."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from ...errors import EngineClosedError
-from ..core.events import DoneEvent, Event, GenerationStats
+from ..core.events import DoneEvent, Event
 from ..core.options import GenerateOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
+from .generation import GenerationState
 
-__all__ = ["Channel", "BatchGeneration"]
+__all__ = ["Channel", "ChannelFeed"]
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +23,9 @@ log = logging.getLogger(__name__)
 class Channel:
     """What the scheduler thread and the reader of one request share: the queued events.
 
-    The scheduler holds only this (as the request's sink), never the BatchGeneration, so a reader
-    that drops its generation (garbage) cancels it at once."""
+    The scheduler holds only this (as the request's sink), never the Generation, so a reader that
+    drops its generation leaves nothing behind that refers to it (the scheduler cancels the request
+    at its next step: RequestState.abandoned)."""
 
     def __init__(self, notify: Callable[[], None] | None, wake: Callable[[], None], alive: Callable[[], bool],
                  max_backlog: int):
@@ -53,105 +56,54 @@ class Channel:
                 log.debug("notify callback failed", exc_info=True)
 
 
-class BatchGeneration(Iterator[Event]):
-    """An iterator of TokenEvent… then one DoneEvent, fed by the engine's scheduler thread.
+class ChannelFeed:
+    """A request queued on a BatchEngine, as its Generation reads it: blocking reads take one event
+    at a time (so the channel's backlog is what the reader has not read, and a reader `max_backlog`
+    behind pauses its own request), polls take all that is there. If the scheduler thread dies,
+    every reader gets its error: none waits for ever."""
 
-    `cancel()` works from any thread and frees the slot at the next step; dropping the object
-    (or `close()`) cancels too. Async consumers pass `notify` to `submit` (called from the
-    scheduler thread whenever events arrive) and drain with `poll()` instead of blocking. If the
-    scheduler thread dies, every reader gets its error: none waits for ever.
-    """
-
-    def __init__(self, channel: Channel, request: RequestState):
-        self._ch = channel
-        self._req = request
-        self.done: DoneEvent | None = None
-
-    @property
-    def options(self) -> GenerateOptions:
-        return self._req.options
+    def __init__(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
+                 notify: Callable[[], None] | None, wake: Callable[[], None], alive: Callable[[], bool],
+                 max_backlog: int):
+        self._ch = Channel(notify, wake, alive, max_backlog)
+        self.request = RequestState(tokens, options, self._ch.push, logprobs=logprobs, sampler=sampler)
+        self.request.backlog = self._ch.backlog
+        self._ended = False  # the DoneEvent (or the error) has been taken
 
     @property
-    def stats(self) -> GenerationStats:
-        return self._req.stats
+    def phase(self) -> GenerationState:
+        req = self.request
+        return "done" if req.finished else "running" if req.t_admit else "waiting"
 
-    @property
-    def prompt_tokens(self) -> list[int]:
-        return self._req.prompt
-
-    def __iter__(self) -> BatchGeneration:
-        return self
-
-    def __next__(self) -> Event:
+    def take(self, wait: bool) -> list[Event]:
         ch = self._ch
         with ch.cond:
-            while not ch.events and ch.error is None and self.done is None:
-                if not ch.cond.wait(timeout=1.0) and not ch.alive() and not ch.events and ch.error is None:
-                    ch.error = EngineClosedError("the engine's scheduler stopped before this request finished")
-            before = len(ch.events)
-            event = self._take()
-        self._maybe_wake(before)
-        return event
-
-    def poll(self) -> list[Event]:
-        """The events available now, without waiting (raises the engine's error, if any)."""
-        ch = self._ch
-        out: list[Event] = []
-        with ch.cond:
-            before = len(ch.events)
-            while ch.events:
-                out.append(self._take())
-            if not out and ch.error is None and self.done is None and not ch.alive():
+            if wait:
+                while not ch.events and ch.error is None and not self._ended:
+                    if not ch.cond.wait(timeout=1.0) and not ch.alive() and not ch.events and ch.error is None:
+                        ch.error = EngineClosedError("the engine's scheduler stopped before this request finished")
+            elif not ch.events and ch.error is None and not self._ended and not ch.alive():
                 ch.error = EngineClosedError("the engine's scheduler stopped before this request finished")
-            if not out and ch.error is not None:
-                self._take()
-        self._maybe_wake(before)
+            backlog = len(ch.events)
+            if ch.events:
+                out = [ch.events.popleft()] if wait else list(ch.events)
+                if not wait:
+                    ch.events.clear()
+                self._ended = self._ended or isinstance(out[-1], DoneEvent)
+            elif ch.error is not None and not self._ended:
+                error, ch.error = ch.error, None
+                self._ended = True
+                raise error
+            else:
+                out = []
+        if backlog >= ch.max_backlog:
+            ch.wake()  # the request was paused for this reader: it can go on
         return out
 
-    @property
-    def finished(self) -> bool:
-        """True once every event has been read."""
-        return self.done is not None
-
-    def _take(self) -> Event:  # holds the channel's lock
-        ch = self._ch
-        if ch.events:
-            event = ch.events.popleft()
-            if isinstance(event, DoneEvent):
-                self.done = event
-            return event
-        if ch.error is not None:
-            error, ch.error = ch.error, None
-            self.done = DoneEvent("", [], "cancelled", self._req.stats)  # nothing more will come
-            raise error
-        raise StopIteration
-
-    def _maybe_wake(self, backlog_before: int) -> None:
-        if backlog_before >= self._ch.max_backlog:
-            self._ch.wake()  # the request was paused for this reader: it can go on
-
-    def cancel(self) -> None:
-        """Stop as soon as possible; a DoneEvent with finish_reason "cancelled" still follows."""
-        self._req.cancel.set()
+    def interrupt(self) -> None:
         self._ch.wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._req.cancel.is_set()
-
-    def result(self) -> DoneEvent:
-        """Run to the end and return the DoneEvent."""
-        for _ in self:
-            pass
-        assert self.done is not None
-        return self.done
 
     def close(self) -> None:
         if not self._ch.finished:
-            self.cancel()
-
-    def __del__(self) -> None:  # an abandoned request frees its slot
-        try:
-            self.close()
-        except Exception:  # pragma: no cover
-            pass
+            self.request.cancel.set()
+            self._ch.wake()

@@ -1,35 +1,47 @@
-"""What both engine faces (Engine, BatchEngine) share: a loaded model's facts, its text and the
-checks every request passes before it reaches the scheduler core.
+"""What both engine faces (Engine, BatchEngine) share: a loaded model's facts, its text, the
+requests (`generate`, `chat`, `submit`: every option on both), the checks every request passes
+before it reaches the scheduler core, a slot's KV state (`save_slot`, `restore_slot`, `erase_slot`,
+as llama-server's /slots actions) and the flash-attention measurement.
 
 One place for these so that the two faces cannot drift: the same token-id checks, the same option
 checks, the same meaning of `n_ctx` (the whole context, as loaded) and `n_ctx_per_request` (what one
-request may use: the whole context on Engine, a slot's share on BatchEngine).
+request may use: the whole context on Engine, a slot's share on BatchEngine). What a face does
+itself: `_start` (a request's Generation and the way its events reach it), `_exclusively` (a call
+with the context to itself) and `_on_idle_slot`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from ...errors import ContextLengthError, EngineClosedError, GrammarError, InvalidOptionError
+from ...errors import ContextLengthError, EngineBusyError, EngineClosedError, GrammarError, InvalidOptionError
 from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
 from ..embedding import Embedder, EmbeddingResult, EmbedOptions
+from ..chat.tool_parser import ToolCallParser
 from ..chat.tools import ToolSetup, tool_request
 from ...devices import last_placement
 from ..chat.template import BUILTIN_TEMPLATES, CHATML_TEMPLATE, ChatVocab, Message, chat_tokens, render_chat
+from ..llama.flash_choice import FlashAttnChoice, measure_flash_attn, remember_flash_attn
 from ..llama.runtime import LlamaRuntime
 from ..core.sampler import Sampler
+from ..core.sequence import KVSequence
 from ..speculation.head_models import mtp_layers
 from ..core.options import GenerateOptions, LoadOptions
 from ..speculation.policy import CostModel
+from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
+from .generation import Generation
 
 __all__ = ["ModelFace"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ModelFace:
@@ -42,6 +54,7 @@ class ModelFace:
     store: Store
     _runtime: LlamaRuntime
     _chosen_template: str | None = None
+    _flash_slots = 1  # the attention layout flash-attention verdicts are for (FlashAttnChoice.slots)
     _embedder: Embedder | None = None
     _embed_lock = threading.Lock()  # (one for all engines: creating an embedder is rare)
 
@@ -73,6 +86,11 @@ class ModelFace:
         """llama.cpp's threads now: LoadOptions.n_threads when pinned, else the cores that other
         processes leave free, re-checked every few seconds while decoding (edgeinfer.cpu)."""
         return self._runtime.threads
+
+    @property
+    def parallel(self) -> int:
+        """Slots: requests decoded together (1 on an Engine), numbered 0..parallel-1 for `save_slot` & co."""
+        return self._slots_count()
 
     def _slots_count(self) -> int:
         return 1
@@ -175,14 +193,164 @@ class ModelFace:
         return tool_request(self.chat_template, tools, tool_choice, parallel_tool_calls,
                             tokenize=self._vocab().tokenize)
 
-    def _with_tools(self, messages: Sequence[Message], options: GenerateOptions | None, tools: Any, tool_choice: Any,
-                    parallel_tool_calls: bool, start: Callable[[list[int], GenerateOptions | None], Any]) -> Any:
-        """Start a chat request (with `start(tokens, options)`), its events parsed into tool calls
-        when tools are offered."""
+    # -- requests --------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None, *,
+                 logprobs: int | None = None, notify: Callable[[], None] | None = None) -> Generation:
+        """Raw completion of a prompt (text, or token ids used as they are).
+
+        logprobs: None, or how many alternatives (0..20) to report with each token's logprob (its
+        events are then ScoredTokenEvent). notify: called whenever events arrive for this request
+        (on a BatchEngine from its scheduler thread, on an Engine from the thread stepping it); it
+        must not block."""
+        self._check_open()
+        return self._request(self._prompt_ids(prompt), options, logprobs, notify, None)
+
+    def submit(self, tokens: Sequence[int], options: GenerateOptions | None = None, *,
+               logprobs: int | None = None, notify: Callable[[], None] | None = None) -> Generation:
+        """A request of prompt token ids (as `generate`)."""
+        self._check_open()
+        return self._request(self._token_ids(tokens), options, logprobs, notify, None)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        options: GenerateOptions | None = None,
+        *,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
+        logprobs: int | None = None,
+        notify: Callable[[], None] | None = None,
+    ) -> Generation:
+        """Continue a conversation ([{"role": "user", "content": ...}, ...]) as the assistant, with the
+        model's own chat template. `system`: a system message put first unless the conversation
+        starts with one.
+
+        `tools` (OpenAI's function tools): the model may call them; its calls, in its own format,
+        arrive as ToolCallEvent and in `done.tool_calls` (finish reason "tool_calls").
+        `tool_choice`: "auto", "none", "required" or {"type": "function", "function": {"name": ...}};
+        the last two are enforced by a grammar, so the arguments always match the function's schema.
+        `logprobs`, `notify`: as `generate`. The one sequence of a chat with tools (the server's too):
+        the tools rendered into the prompt, the grammar, the generation's events parsed."""
+        self._check_open()
+        msgs = self._messages(messages)
+        if system is not None and not isinstance(system, str):
+            raise InvalidOptionError(f"system must be a string, got {type(system).__name__}")
+        if system is not None and not (msgs and msgs[0].get("role") == "system"):
+            msgs.insert(0, {"role": "system", "content": system})
+        parser: ToolCallParser | None = None
         if tools is None and tool_choice == "auto":
-            return start(self.chat_tokens(messages), options)
-        setup = self.tool_setup(tools, tool_choice, parallel_tool_calls)
-        return setup.wrap(start(self.chat_tokens(messages, tools=setup.render_tools), setup.options(options)))
+            tokens = self.chat_tokens(msgs)
+        else:
+            setup = self.tool_setup(tools, tool_choice, parallel_tool_calls)
+            tokens = self.chat_tokens(msgs, tools=setup.render_tools)
+            options = setup.options(options)
+            if setup.render_tools is not None:  # (tool_choice "none": nothing offered, nothing to parse)
+                parser = setup.parser()
+        return self._request(tokens, options, logprobs, notify, parser)
+
+    def _request(self, tokens: list[int], options: GenerateOptions | None, logprobs: int | None,
+                 notify: Callable[[], None] | None, tools: ToolCallParser | None) -> Generation:
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise InvalidOptionError(f"logprobs must be an integer in [0, 20], got {logprobs!r}")
+        if notify is not None and not callable(notify):
+            raise InvalidOptionError(f"notify must be a callable, got {type(notify).__name__}")
+        options, sampler = self._checked(tokens, options)  # (a grammar compiled here, in the caller's thread)
+        return self._start(tokens, options, sampler, logprobs, notify, tools)
+
+    def _start(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
+               notify: Callable[[], None] | None, tools: ToolCallParser | None) -> Generation:
+        """The face's Generation of a checked request (its Feed: faces/inline.py, faces/channel.py),
+        which owns `sampler` (the request's, where it has a grammar)."""
+        raise NotImplementedError
+
+    # -- a slot's KV state (engine/state/session.py; llama-server's /slots actions) ------------------
+    def save_slot(self, slot: int, path: str | os.PathLike[str],
+                  conversation: Sequence[Message] | Sequence[int] | None = None, *,
+                  max_bytes: int | None = None) -> SessionInfo:
+        """Save what slot `slot`'s KV cache holds (its tokens and their keys and values) to `path`, so
+        that an engine of either face on the same model file and KV-cache types can go on without
+        reading them again (`restore_slot`, e.g. after the app restarted). An Engine has one slot, 0.
+        `conversation`: the messages (as given to `chat`) or token ids the state is for; the cache is
+        first cut to the prefix it shares with them, which is what their next turn reuses. A file
+        that already holds exactly this state is kept (SessionInfo.written False). Raises
+        StoreError / DiskSpaceError when the file cannot be written; see `_on_idle_slot` for a busy slot.
+        `max_bytes`: DiskSpaceError, before anything is written, for a state that could take more (a
+        server's quota)."""
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)  # the model's hash: outside the slot (the first one reads the file)
+        return self._on_idle_slot(self._slot_index(slot),
+                                  lambda seq: seq.save(path, identity, keep, max_bytes=max_bytes))
+
+    def restore_slot(self, slot: int, path: str | os.PathLike[str],
+                     conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:
+        """Load the KV state saved at `path` into slot `slot`, if it was saved with this model file and
+        these KV-cache types and every check of the file passes; the next request (which lands on
+        the slot holding its longest prefix) then reads only what follows the saved tokens.
+        `conversation`: the messages or token ids being resumed, which the saved tokens must begin.
+        A state that does not match, or a damaged file, is not loaded: one warning in the log and a
+        false RestoreResult saying why (the cache is left as it was)."""
+        keep = conversation_tokens(self, conversation)
+        identity = face_identity(self)
+        return self._on_idle_slot(self._slot_index(slot), lambda seq: seq.load(path, identity, keep))
+
+    def erase_slot(self, slot: int) -> int:
+        """Empty slot `slot`'s KV cache; returns how many tokens it held."""
+
+        def erase(seq: KVSequence) -> int:
+            n = len(seq)
+            seq.clear()
+            return n
+
+        return self._on_idle_slot(self._slot_index(slot), erase)
+
+    def _slot_index(self, slot: int) -> int:
+        self._check_open()
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.parallel:
+            raise InvalidOptionError(f"slot must be an integer in [0, {self.parallel - 1}], got {slot!r}")
+        return slot
+
+    def _on_idle_slot(self, slot: int, fn: Callable[[KVSequence], T]) -> T:
+        """fn(the slot's sequence) with the context to itself (`_exclusively`); EngineBusyError when
+        a request runs on the slot then. An Engine's slot is free once its lock is: it waits for a
+        generation of another thread (and raises for one this thread left unfinished); a
+        BatchEngine refuses a busy slot at once (llama-server's 409 is the server's)."""
+        slots = self._slots()
+
+        def on_slot() -> T:
+            s = slots[slot]
+            if s.request is not None:
+                raise EngineBusyError(f"slot {slot} is busy with a request")
+            return fn(s.seq)
+
+        return self._exclusively(on_slot)
+
+    def _slots(self) -> list[Any]:
+        """The scheduler core's slots (engine/core/scheduler.py's Slot)."""
+        raise NotImplementedError
+
+    def _exclusively(self, fn: Callable[[], T]) -> T:
+        """fn() while no request steps the core (Engine: under its lock; BatchEngine: on its
+        scheduler thread between two steps)."""
+        raise NotImplementedError
+
+    # -- flash attention (engine/llama/flash_choice.py) --------------------------------------------
+    def measure_flash_attn(self, tokens: Sequence[int], *, steps: int = 8, save: bool = True) -> FlashAttnChoice:
+        """Time a prefill of `tokens` (any text's, as many as the context depth to judge at) and
+        decode steps after it with flash attention on and off, on scratch contexts beside this one
+        in this face's attention layout: one sequence (an Engine, a BatchEngine with a KV stream per
+        slot), or with one KV cache for every slot that many sequences of `tokens`, a row of each a
+        step (see engine/llama/flash_choice.py). `save` keeps the verdict in the store: later loads
+        of this model, on either face, with these threads, KV types and layout that leave
+        `flash_attn` unset use it. Waits for running requests (a BatchEngine's pause meanwhile)."""
+        self._check_open()
+        choice = self._exclusively(lambda: measure_flash_attn(self._runtime, tokens, steps, self._flash_slots))
+        log.info("%s: %s", self.name, choice.summary())
+        if save:
+            remember_flash_attn(self.path, self.options, self.store, choice)
+        return choice
 
     # -- embeddings ----------------------------------------------------------------------------
     def embed(self, items: str | Sequence[str | Sequence[int]], options: EmbedOptions | None = None, *,

@@ -1,15 +1,13 @@
 """Engine and load(): the one-user face of the scheduler core (one slot, stepped inline from the
-caller's own `next()`, no thread hop between a token and its reader)."""
+caller's own `next()`, no thread hop between a token and its reader: faces/inline.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import fields, replace
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -17,24 +15,26 @@ from ...cancel import CancelToken
 from ...errors import ContextLengthError, InvalidOptionError
 from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
-from ...validate import admit
-from ..chat.template import Message
+from ..chat.tool_parser import ToolCallParser
 from .speculation_setup import DraftModels, ProgressCallback, TargetModel
 from .common import ModelFace
-from ..llama.flash_choice import FlashAttnChoice, measure_flash_attn, remember_flash_attn, with_measured_flash_attn
+from ..llama.flash_choice import with_measured_flash_attn
 from .generation import Generation
+from .inline import InlineFeed
+from .loading import load_face, speculation_options
 from ..llama.runtime import LlamaRuntime
 from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
-from ..core.scheduler import Scheduler
-from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
+from ..core.sampler import Sampler
+from ..core.scheduler import Scheduler, Slot
 from .exclusive import RequestSlot
-from ..chat.tools import ToolGeneration
 from ..speculation import CostModel, measure_costs
 from ..speculation.head_models import mtp_layers
 
 __all__ = ["Engine", "Generation", "load"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def load(
@@ -49,40 +49,14 @@ def load(
     """Load a model by store name (`name:tag`), `.gguf` path, or None for the default model.
 
     Keyword arguments are LoadOptions fields (n_ctx, n_threads, n_batch, kv_type, kv_type_k, kv_type_v,
-    flash_attn).
+    flash_attn, ...).
     The file is validated by edgeinfer's own GGUF reader before llama.cpp sees it. With
     `speculation` (SpeculationOptions or the CLI form, e.g. "self=Q4_K_M"), its draft model is
-    prepared too (see Engine.prepare_speculation), reporting to `progress`.
+    prepared too (see Engine.prepare_speculation), reporting to `progress`. (BatchEngine.load is
+    the same path: faces/loading.py.)
     """
-    known = {f.name for f in fields(LoadOptions)}
-    unknown = set(load_options) - known
-    if unknown:
-        raise InvalidOptionError(f"unknown load option(s): {', '.join(sorted(unknown))}")
-    if options is not None and not isinstance(options, LoadOptions):
-        raise InvalidOptionError(f"options must be LoadOptions, got {type(options).__name__}")
-    if model is not None and not isinstance(model, (str, Path)):
-        raise InvalidOptionError(f"model must be a store name or a path, got {type(model).__name__}")
-    options = replace(options or LoadOptions(), **load_options).validate()
-    store = store or Store()
-    path, manifest = store.resolve(model)
-    info = admit(path, store, manifest)  # validated; a never-seen file first loads in a child process
-    engine = Engine(path, info, options, manifest=manifest, store=store)
-    if speculation is not None:
-        try:
-            engine.prepare_speculation(speculation, progress=progress)
-        except BaseException:
-            engine.close()
-            raise
-    return engine
-
-
-def _speculation_options(spec: SpeculationOptions | str) -> SpeculationOptions:
-    if isinstance(spec, str):
-        return SpeculationOptions.parse(spec)
-    if not isinstance(spec, SpeculationOptions):
-        raise InvalidOptionError(f"speculation must be SpeculationOptions or a string like 'lookup', "
-                                 f"got {type(spec).__name__}")
-    return spec.validate()
+    return load_face(Engine, model, options, store=store, speculation=speculation, progress=progress,
+                     load_options=load_options)
 
 
 class _EngineSpeculation:
@@ -123,8 +97,12 @@ class Engine(ModelFace):
     a BatchEngine (the same core with N slots, stepped by a thread).
 
     Misuse is an error, never a crash or a hang: calls after `close()` raise EngineClosedError,
-    token ids are range-checked, a generation that is dropped or closed frees the engine at once,
-    and a request from a thread whose own earlier generation is unfinished raises EngineBusyError.
+    token ids are range-checked, a generation that is closed frees the engine at once and one that
+    is dropped is given up by the next request (faces/exclusive.py), and a request from a thread
+    whose own earlier generation is unfinished raises EngineBusyError.
+
+    Requests, their options and their Generation handle, a slot's KV state and the flash-attention
+    measurement are the same as a BatchEngine's (faces/common.py); its one slot is slot 0.
     """
 
     def __init__(
@@ -135,6 +113,8 @@ class Engine(ModelFace):
         *,
         manifest: ModelManifest | None = None,
         store: Store | None = None,
+        speculation: SpeculationOptions | str | None = None,
+        progress: ProgressCallback | None = None,
     ):
         self.path = Path(path)
         self.info = info
@@ -151,41 +131,18 @@ class Engine(ModelFace):
         self._scheduler = Scheduler(self._runtime, 1, self._stored_costs(), drafts=self._drafts.context,
                                     abortable=True, heads=self._drafts.heads)
         self._speculation = _EngineSpeculation(self._runtime, self._drafts, self._slot, self._scheduler)
+        if speculation is not None:
+            try:
+                self.prepare_speculation(speculation, progress=progress)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     # -- requests --------------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None) -> Generation:
-        """Raw completion of a prompt (text, or token ids used as they are)."""
-        self._check_open()
-        return self._start(self._prompt_ids(prompt), options)
-
-    def chat(
-        self,
-        messages: Sequence[Message],
-        options: GenerateOptions | None = None,
-        *,
-        system: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = "auto",
-        parallel_tool_calls: bool = True,
-    ) -> Generation | ToolGeneration:
-        """Continue a conversation ([{"role": "user", "content": ...}, ...]) as the assistant.
-
-        `tools` (OpenAI's function tools): the model may call them; its calls, in its own format,
-        arrive as ToolCallEvent and in `done.tool_calls` (finish reason "tool_calls").
-        `tool_choice`: "auto", "none", "required" or {"type": "function", "function": {"name": ...}};
-        the last two are enforced by a grammar, so the arguments always match the function's schema."""
-        self._check_open()
-        msgs = self._messages(messages)
-        if system is not None and not isinstance(system, str):
-            raise InvalidOptionError(f"system must be a string, got {type(system).__name__}")
-        if system is not None and not (msgs and msgs[0].get("role") == "system"):
-            msgs.insert(0, {"role": "system", "content": system})
-        return self._with_tools(msgs, options, tools, tool_choice, parallel_tool_calls, self._start)
-
     def prepare_speculation(
         self,
         speculation: SpeculationOptions | str,
@@ -209,12 +166,20 @@ class Engine(ModelFace):
         yielding the same events before its first token. Safe to call from any thread.
         """
         self._check_open()
-        self._speculation.prepare(_speculation_options(speculation), progress, cancel)
+        self._speculation.prepare(speculation_options(speculation), progress, cancel)
 
-    def _start(self, tokens: list[int], options: GenerateOptions | None) -> Generation:
-        options, sampler = self._checked(tokens, options)
+    def _start(self, tokens: list[int], options: GenerateOptions, sampler: Sampler | None, logprobs: int | None,
+               notify: Callable[[], None] | None, tools: ToolCallParser | None) -> Generation:
         speculation = None if options.speculation.method == "off" else self._speculation
-        return Generation(self._slot, self._scheduler, tokens, options, speculation, sampler)
+        feed = InlineFeed(self._slot, self._scheduler, tokens, options, sampler, logprobs, notify, speculation)
+        return Generation(feed, tools)
+
+    def _slots(self) -> list[Slot]:
+        return self._scheduler.slots
+
+    def _exclusively(self, fn: Callable[[], T]) -> T:
+        with self._slot.hold():
+            return fn()
 
     # -- the cost curve --------------------------------------------------------------------------
     def measure_decode_costs(self, tokens: Sequence[int], *, depths: Sequence[int] = (64, 1024), reps: int = 3,
@@ -229,20 +194,6 @@ class Engine(ModelFace):
             self.save_decode_costs()
         return costs
 
-    def measure_flash_attn(self, tokens: Sequence[int], *, steps: int = 8, save: bool = True) -> FlashAttnChoice:
-        """Time a prefill of `tokens` (any text's, as many as the context depth to judge at) and
-        one-token decodes after it with flash attention on and off, on scratch contexts beside
-        this one (see engine/llama/flash_choice.py). `save` keeps the verdict in the store: later loads
-        of this model with these threads and KV types that leave `flash_attn` unset use it.
-        Waits for a running generation."""
-        self._check_open()
-        with self._slot.hold():
-            choice = measure_flash_attn(self._runtime, tokens, steps)
-        log.info("%s: %s", self.name, choice.summary())
-        if save:
-            remember_flash_attn(self.path, self.options, self.store, choice)
-        return choice
-
     def save_decode_costs(self) -> None:
         """Keep the measured cost curve in the store (a prior is never kept: it is no fact)."""
         self._remember_costs(self._scheduler.costs)
@@ -250,39 +201,7 @@ class Engine(ModelFace):
     def reset(self) -> None:
         """Forget the cached prompt, so the next request starts from an empty KV cache (a request
         normally re-uses the longest prefix it shares with the previous one)."""
-        self._check_open()
-        with self._slot.hold():
-            self._scheduler.slots[0].seq.clear()
-
-    # -- saved conversations (engine/state/session.py) -------------------------------------------------
-    def save_session(self, path: str | os.PathLike[str],
-                     conversation: Sequence[Message] | Sequence[int] | None = None) -> SessionInfo:
-        """Save what the KV cache holds (its tokens and their keys and values) to `path`, so that an
-        engine on the same model file and KV-cache types can go on without reading them again
-        (`restore_session`, e.g. after the app restarted). `conversation`: the messages (as given
-        to `chat`) or token ids the state is for; the cache is first cut to the prefix it shares
-        with them, which is what their next turn reuses. Waits for a running generation; a file
-        that already holds exactly this state is kept (SessionInfo.written False). Raises
-        StoreError / DiskSpaceError when the file cannot be written."""
-        self._check_open()
-        keep = conversation_tokens(self, conversation)
-        identity = face_identity(self)  # the model's hash: outside the lock (the first one reads the file)
-        with self._slot.hold():
-            return self._scheduler.slots[0].seq.save(path, identity, keep)
-
-    def restore_session(self, path: str | os.PathLike[str],
-                        conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:
-        """Load the KV state saved at `path`, if it was saved with this model file and these KV-cache
-        types and every check of the file passes; the next request then reads only what follows
-        the saved tokens. `conversation`: the messages or token ids being resumed, which the saved
-        tokens must begin. A state that does not match, or a damaged file, is not loaded: one
-        warning in the log and a false RestoreResult saying why (the cache is left as it was).
-        Waits for a running generation."""
-        self._check_open()
-        keep = conversation_tokens(self, conversation)
-        identity = face_identity(self)
-        with self._slot.hold():
-            return self._scheduler.slots[0].seq.load(path, identity, keep)
+        self.erase_slot(0)
 
     # -- evaluation ------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:

@@ -1,229 +1,187 @@
-"""A generation on `Engine`: the scheduler core stepped inline, from the caller's own `next()`.
+"""A request as its caller holds it, on either face: `Generation`, an iterator of its events.
 
-The engine's core has one slot; a generation holds it (the engine's RequestSlot lock) from its
-first step to its end, submits its one request and steps the core until the request is done,
-yielding the events each step produced — no thread hop between a token and its caller. A cancel
-from any thread reaches into a running prefill decode through llama.cpp's abort callback.
+The two faces differ in one thing only, how the events reach the handle, and that is a small
+strategy object, its `Feed`: on `Engine` the caller's own `next()` steps the one-slot core inline
+(faces/inline.py: no thread hop between a token and its reader); on `BatchEngine` a scheduler thread
+steps the core and the handle waits on the request's bounded channel (faces/channel.py). Everything
+else is this one class: its properties, cancel and close from any thread, `poll()` for async
+readers, `result()`, and the tool-call layer (chat/tool_parser.py) a chat with tools parses its
+events through.
+
+No code runs when a handle is garbage: the core holds the request, never the handle, and the
+request keeps only a weak reference to it (`RequestState.owner`). A handle its reader dropped is
+noticed by the request's owner — the scheduler thread at its next step, the next request that wants
+an Engine's one slot — which cancels it there, on a thread of its own, never the collector's.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
+import collections
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Iterator
 from typing import Literal, Protocol
 
-from ...cancel import CancelToken
-from ...errors import Cancelled, EngineClosedError
-from ..core.events import DoneEvent, Event, SpeculationProgress
-from ..core.options import GenerateOptions, SpeculationOptions
+from ...errors import EngineClosedError
+from ..chat.tool_parser import ToolCallParser
+from ..core.events import DoneEvent, Event, GenerationStats
+from ..core.options import GenerateOptions
 from ..core.request import RequestState
-from ..core.sampler import Sampler
-from ..core.scheduler import Scheduler
-from .exclusive import RequestSlot
 
-__all__ = ["Generation", "SpeculationSource", "GenerationState"]
+__all__ = ["Generation", "Feed", "GenerationState"]
 
 GenerationState = Literal["new", "preparing", "waiting", "running", "done"]
 
 
-class SpeculationSource(Protocol):
-    """How a generation gets its draft model ready: the engine's side of speculation."""
+class Feed(Protocol):
+    """How a Generation's events reach it: the one thing the two faces do differently."""
 
-    def is_ready(self, spec: SpeculationOptions) -> bool:
-        """Whether `spec` needs no preparation (any draft model it names is open)."""
+    request: RequestState
 
-    def prepare(self, spec: SpeculationOptions, progress: Callable[[SpeculationProgress], None],
-                cancel: CancelToken) -> None:
-        """Find, make (quantize) and open the draft model `spec` names, reporting progress."""
+    @property
+    def phase(self) -> GenerationState:
+        """new → (preparing →) waiting → running → done."""
 
+    def take(self, wait: bool) -> list[Event]:
+        """The request's next events. `wait`: at least one unless the request's events are all
+        given out ([] then); else what is available now ([] if nothing). Raises the error that
+        ended the request, once."""
 
-class _Request:
-    """A generation's state, shared by its public handle and its loop. The loop never references
-    the handle, so dropping the handle finalizes the loop (and frees the engine) at once."""
+    def interrupt(self) -> None:
+        """The request was cancelled: reach into a running decode, or wake the scheduler."""
 
-    def __init__(self, prompt: list[int], options: GenerateOptions, slot: RequestSlot, core: Scheduler,
-                 speculation: SpeculationSource | None, sampler: Sampler | None = None):
-        self.prompt = prompt
-        self.options = options
-        self.slot = slot
-        self.core = core
-        self.speculation = speculation
-        self.cancel = threading.Event()
-        self.events: list[Event] = []
-        self.error: BaseException | None = None
-        self.state = RequestState(prompt, options, self._collect, cancel=self.cancel, sampler=sampler)
-        self.phase: GenerationState = "new"
-        self.handle: weakref.ref[Generation] | None = None
-
-    def _collect(self, events: list[Event], error: BaseException | None) -> None:
-        self.events.extend(events)
-        if error is not None:
-            self.error = error
+    def close(self) -> None:
+        """Stop the request (it ends as cancelled) and free its slot; events not taken are dropped."""
 
 
 class Generation(Iterator[Event]):
-    """An iterator of (PrefillProgress…) TokenEvent… then one DoneEvent. Cancel from any thread
-    with `cancel()`.
+    """An iterator of (SpeculationProgress… PrefillProgress…) TokenEvent… then one DoneEvent; a chat
+    with tools also yields ToolCallEvents, and its DoneEvent carries `tool_calls`.
 
-    A generation whose speculation needs a draft model not yet open first prepares it (a
-    self-draft copy may be quantized) and yields SpeculationProgress events meanwhile; call
-    `Engine.prepare_speculation` beforehand to do that on your own terms.
+    `cancel()` from any thread stops it as soon as possible (also inside a long prefill); a
+    DoneEvent with finish_reason "cancelled" still follows. `close()` stops it here and frees its
+    slot: iteration ends, and `done` / `result()` give what was generated, as cancelled. `poll()`
+    returns the events available without waiting (on an Engine, one step of the core), for a
+    reader on an event loop; `notify=` (given when the request was made) says when to poll.
 
-    The engine runs one generation at a time: iterating takes the engine on the first `next()`
-    and releases it when the generation ends, is closed, or is dropped (leaving a `for` loop over
-    `engine.chat(...)` early drops it). A generation that is kept but not run to the end holds
-    the engine: other threads wait for it, and a new request from its own thread raises
-    EngineBusyError (unless it was cancelled: then it is closed first).
+    On an Engine a generation takes the engine on its first `next()` and gives it back when it
+    ends or is closed. One that is kept but not run to its end holds the engine: other threads
+    wait for it, and a new request from its own thread raises EngineBusyError (unless it was
+    cancelled). One that is dropped (leaving a `for` loop early) is given up by the next request.
+    On a BatchEngine a dropped generation is cancelled at the scheduler's next step.
     """
 
-    def __init__(self, slot: RequestSlot, core: Scheduler, prompt: list[int], options: GenerateOptions,
-                 speculation: SpeculationSource | None = None, sampler: Sampler | None = None):
-        """`sampler`: the request's, made when it was checked (where it has a grammar); it owns it."""
-        self._req = _Request(prompt, options, slot, core, speculation, sampler)
-        self._req.handle = weakref.ref(self)
-        self._it = _run(self._req)
+    def __init__(self, feed: Feed, tools: ToolCallParser | None = None):
+        self._feed = feed
+        self._req = feed.request
+        self._tools = tools  # the tool-call layer: content TokenEvents, ToolCallEvents, the calls in `done`
+        self._ready: collections.deque[Event] = collections.deque()  # taken and parsed, not yet read
+        self._done: DoneEvent | None = None
+        self._over = False  # the feed has given its last event (or its error)
+        self._closed = False
+        self._req.owner = weakref.ref(self)
 
-    # -- public ----------------------------------------------------------------------------------
+    # -- what the request is -----------------------------------------------------------------------
     @property
     def options(self) -> GenerateOptions:
         return self._req.options
 
     @property
-    def stats(self):  # noqa: ANN201 - GenerationStats
-        return self._req.state.stats
+    def prompt_tokens(self) -> list[int]:
+        return self._req.prompt
 
     @property
-    def done(self) -> DoneEvent | None:
-        """The DoneEvent, once the generation has ended (also when it was closed early)."""
-        return self._req.state.done
+    def stats(self) -> GenerationStats:
+        return self._req.stats
 
     @property
     def state(self) -> GenerationState:
         """new → (preparing →) waiting → running → done."""
-        return self._req.phase
-
-    def __iter__(self) -> Generation:
-        return self
-
-    def __next__(self) -> Event:
-        if self._req.state.done is None and self._req.slot.closed:
-            self._it.close()
-            raise EngineClosedError("the engine was closed before this generation finished")
-        return next(self._it)
-
-    def cancel(self) -> None:
-        """Stop as soon as possible (also inside a long prefill); a DoneEvent still follows."""
-        self._req.cancel.set()
-        self._req.slot.abort(self._req)
+        return self._feed.phase
 
     @property
     def cancelled(self) -> bool:
         return self._req.cancel.is_set()
 
+    @property
+    def finished(self) -> bool:
+        """True once every event has been read (or the generation was closed and has ended)."""
+        return self._over and not self._ready
+
+    @property
+    def done(self) -> DoneEvent | None:
+        """The DoneEvent once the generation has ended, read or not (also when it was closed early;
+        with tools: content as `text`, the calls as `tool_calls`)."""
+        if self._done is not None or self._req.done is None:
+            return self._done
+        if self._tools is None:
+            return self._req.done
+        while not self._over and not self._closed:  # ended, not read to the end: parse what is pending
+            self._fill(wait=True)
+        if self._done is None:  # closed (or stopped by the engine's close): what was read is what was parsed
+            self._done = self._parse([self._req.done])[-1]  # type: ignore[assignment]
+        return self._done
+
+    # -- reading ------------------------------------------------------------------------------------
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> Event:
+        while not self._ready:
+            if self._over or self._closed:
+                raise StopIteration
+            self._fill(wait=True)
+        return self._ready.popleft()
+
+    def poll(self) -> list[Event]:
+        """The events available now, without waiting for another request (raises the request's
+        error, if any)."""
+        if not self._ready and not self._over and not self._closed:
+            self._fill(wait=False)
+        out = list(self._ready)
+        self._ready.clear()
+        return out
+
     def result(self) -> DoneEvent:
-        """Run to the end and return the DoneEvent."""
+        """Run to the end and return the DoneEvent (after `close()`: wait for the end)."""
         for _ in self:
             pass
-        done = self._req.state.done
+        while not self._over and self._feed.take(wait=True):
+            pass  # closed: what comes before the end is dropped
+        self._over = True
+        done = self.done
         if done is None:
             raise EngineClosedError("the engine was closed before this generation finished")
         return done
 
-    def close(self) -> None:
-        """Stop here and free the engine; `done` then holds what was generated, as cancelled."""
-        self._it.close()
-        req = self._req
-        req.phase = "done"
-        if req.state.done is None:  # closed before it ran
-            req.state.end("cancelled")
-
-    def __del__(self) -> None:
+    def _fill(self, wait: bool) -> None:
         try:
-            self._it.close()
-        except Exception:  # noqa: BLE001 - running in another thread: it ends on its own
-            pass
-
-
-# -- the loop -----------------------------------------------------------------------------------------
-
-
-def _run(req: _Request) -> Iterator[Event]:
-    spec = req.options.speculation
-    if req.speculation is not None and not req.speculation.is_ready(spec):
-        req.phase = "preparing"
-        prepared = yield from _prepare(req)
-        if not prepared:
-            req.phase = "done"
-            req.state.release()
-            yield req.state.end("cancelled")
+            events = self._feed.take(wait)
+        except BaseException:  # (the feed gives nothing more after its error, or raises it again)
+            if self._done is None:
+                self._done = self._req.done or DoneEvent("", [], "cancelled", self._req.stats)
+            raise
+        if wait and not events:
+            self._over = True
             return
-    req.phase = "waiting"
-    # Queued from now (after any draft-model preparation): ttft_s and queue_s count from here.
-    req.state.t_submit = time.perf_counter()
-    if not req.slot.acquire(req, req.handle, cancelled=req.cancel.is_set):
-        req.phase = "done"
-        req.state.release()
-        yield req.state.end("cancelled")
-        return
-    core, state = req.core, req.state
-    try:
-        req.phase = "running"
-        if req.cancel.is_set():
-            req.slot.abort(req)
-        core.submit(state)
-        while not state.finished:
-            core.step()
-            if req.error is not None:
-                raise req.error
-            events, req.events = req.events, []
-            yield from events
-    finally:
-        req.phase = "done"
-        try:
-            if not state.finished:  # closed early (or an error): keep what was generated, as cancelled
-                state.cancel.set()
-                while not state.finished and core.step():
-                    pass
-                if not state.finished:
-                    state.end("cancelled")
-        finally:
-            req.slot.release(req)
+        self._ready.extend(self._parse(events))
 
+    def _parse(self, events: list[Event]) -> list[Event]:
+        out = list(self._tools.events(events)) if self._tools is not None else events
+        if out and isinstance(out[-1], DoneEvent):
+            self._done = out[-1]
+            self._over = True
+        return out
 
-def _prepare(req: _Request) -> Generator[SpeculationProgress, None, bool]:
-    """Prepare the request's speculation in a worker thread and yield its progress events.
-    False when the request was cancelled meanwhile."""
-    assert req.speculation is not None
-    events: queue.SimpleQueue[SpeculationProgress | None] = queue.SimpleQueue()
-    stop = threading.Event()
-    failure: list[BaseException] = []
-    source, spec = req.speculation, req.options.speculation
+    # -- stopping -----------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop as soon as possible (also inside a long prefill); a DoneEvent still follows."""
+        self._req.cancel.set()
+        self._feed.interrupt()
 
-    def work() -> None:
-        try:
-            source.prepare(spec, events.put, lambda: stop.is_set() or req.cancel.is_set())
-        except BaseException as e:  # noqa: BLE001 - handed to the generation's thread
-            failure.append(e)
-        finally:
-            events.put(None)
-
-    threading.Thread(target=work, name="edgeinfer-prepare-speculation", daemon=True).start()
-    try:
-        while True:
-            try:
-                event = events.get(timeout=0.1)  # a timeout keeps Ctrl-C deliverable
-            except queue.Empty:
-                continue
-            if event is None:
-                break
-            yield event
-    finally:
-        stop.set()  # a generation closed meanwhile stops the preparation at its next tensor
-    if failure:
-        if isinstance(failure[0], Cancelled) and req.cancel.is_set():
-            return False
-        raise failure[0]
-    return not req.cancel.is_set()
+    def close(self) -> None:
+        """Stop here and free the slot; `done` then holds what was generated, as cancelled (on a
+        BatchEngine from the scheduler's next step: `result()` waits for it)."""
+        self._closed = True
+        self._ready.clear()
+        if not self._over:
+            self._feed.close()

@@ -1,4 +1,4 @@
-"""Flash attention on or off for one user's engine, chosen by timing both on this machine.
+"""Flash attention on or off for a loaded model, chosen by timing both on this machine.
 
 llama.cpp's `auto` turns flash attention on wherever the backend has it, the CPU included. On the
 2-core AVX2 machines here that is not always faster (`llama-bench -fa 0,1`, benchmarks/RESULTS.md):
@@ -7,17 +7,23 @@ context and 22 vs 50 at 2048; Qwen2.5-Coder-1.5B prefills 25 % faster with it on
 faster at depth 0, 17 % slower at depth 2048. So the choice is a fact of the model and the machine:
 `measure_flash_attn` times both settings on two scratch contexts over the loaded weights (a prompt
 of `depth` tokens, then one-token decodes after it, alternating), and the store keeps the verdict
-for the model file, placement, threads and KV-cache types. An `Engine` whose `flash_attn` is left
-to edgeinfer (None) loads with the verdict when there is one, else with llama.cpp's choice; so does
-a `BatchEngine` with a KV stream per slot (the default), whose rows each attend over their own
-slot's cells as one sequence's do: on the 135M flash attention off decodes 1.58–1.70x faster there
-too at 1, 4 and 8 slots after 512 tokens, on the 1.5B (verdict: on) on is 3–7 % faster at 4–8.
+for the model file, placement, threads, KV-cache types and attention layout. The rule is the same
+on both faces: a load whose `flash_attn` is left to edgeinfer (None) takes the verdict measured for
+its layout when there is one, else llama.cpp's choice; and `measure_flash_attn` of either face
+(faces/common.py) measures the face's own layout. There are two layouts. Rows that attend over one
+sequence's cells: an `Engine`, and a `BatchEngine` with a KV stream per slot (the default), whose
+rows each attend over their own slot's stream as one sequence's do (on the 135M flash attention off
+decodes 1.58–1.70x faster there too at 1, 4 and 8 slots after 512 tokens, on the 1.5B, verdict on,
+on is 3–7 % faster at 4–8). And one KV cache for every slot (kv_unified, a drafting head), `slots`
+sequences of `depth` cells each in one cache: without flash attention every row computes its
+attention over every slot's cells and masks the others' out, while ggml's flash-attention kernel
+skips masked cells, so there the verdict can be the other way round (the 135M with 4 slots after
+512 tokens each: on faster, benchmarks/bench_flash_slots.py --unified). Its verdict is measured with
+that many sequences in one cache and kept apart (`FlashAttnChoice.slots`).
 
 The verdict weighs a chat turn, not one kernel: the prompt's prefill plus `TURN_TOKENS` decoded
-tokens at that depth, and flash attention goes off only when that turn is clearly faster without
-it (`MARGIN`): otherwise llama.cpp's default stands. A `BatchEngine` with one KV cache for every
-slot (kv_unified, a drafting head) keeps llama.cpp's choice: there each row attends over every
-slot's cells, a case the verdict does not measure.
+tokens at that depth (steps of one row per sequence), and flash attention goes off only when that
+turn is clearly faster without it (`MARGIN`): otherwise llama.cpp's default stands.
 """
 
 from __future__ import annotations
@@ -51,14 +57,16 @@ _CACHE_KIND = "flash-attn"
 
 @dataclass(frozen=True)
 class FlashAttnChoice:
-    """Both settings timed at one context depth: a prefill of `depth` tokens and the median
-    one-token decode after it, in seconds."""
+    """Both settings timed at one context depth: a prefill of `depth` tokens and the median decode
+    step after it (one row per sequence), in seconds. `slots`: 1 for one sequence's cells (an Engine,
+    a BatchEngine with a stream per slot), N for N sequences of `depth` cells in one KV cache."""
 
     depth: int
     prefill_on_s: float
     prefill_off_s: float
     decode_on_s: float
     decode_off_s: float
+    slots: int = 1
 
     def turn_s(self, on: bool) -> float:
         """A turn's time with the setting: its prompt's prefill and TURN_TOKENS decoded tokens."""
@@ -75,14 +83,17 @@ class FlashAttnChoice:
         def rate(s: float) -> str:
             return f"{1 / s:.1f}" if s > 0 else "?"
 
-        return (f"flash attention {'on' if self.flash_attn else 'off'} (at {self.depth} tokens of context, "
+        where = f"{self.depth} tokens of context"
+        if self.slots > 1:
+            where += f" in each of {self.slots} slots of one cache"
+        return (f"flash attention {'on' if self.flash_attn else 'off'} (at {where}, "
                 f"decode {rate(self.decode_on_s)} tok/s on vs {rate(self.decode_off_s)} off, prefill "
                 f"{self.depth / self.prefill_on_s:.0f} vs {self.depth / self.prefill_off_s:.0f} tok/s; "
                 f"a {self.depth}+{TURN_TOKENS}-token turn {self.turn_s(True):.1f} s vs {self.turn_s(False):.1f} s)")
 
     def to_dict(self) -> dict[str, float]:
         return {"depth": self.depth, "prefill_on_s": self.prefill_on_s, "prefill_off_s": self.prefill_off_s,
-                "decode_on_s": self.decode_on_s, "decode_off_s": self.decode_off_s}
+                "decode_on_s": self.decode_on_s, "decode_off_s": self.decode_off_s, "slots": self.slots}
 
     @classmethod
     def from_dict(cls, data: object) -> FlashAttnChoice:
@@ -92,22 +103,26 @@ class FlashAttnChoice:
         depth = data.get("depth")
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"bad depth {depth!r}")
+        slots = data.get("slots", 1)
+        if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 64:
+            raise ValueError(f"bad slots {slots!r}")
         times = {}
         for name in ("prefill_on_s", "prefill_off_s", "decode_on_s", "decode_off_s"):
             v = data.get(name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
                 raise ValueError(f"bad {name} {v!r}")
             times[name] = float(v)
-        return cls(depth=depth, **times)
+        return cls(depth=depth, slots=slots, **times)
 
 
 # -- the store ---------------------------------------------------------------------------------
 
 
-def verdict_key(path: Path, options: LoadOptions) -> str:
-    """The store key of a verdict: it holds for one model file, placement, thread count and pair of KV-cache types."""
+def verdict_key(path: Path, options: LoadOptions, slots: int = 1) -> str:
+    """The store key of a verdict: it holds for one model file, placement, thread count, pair of
+    KV-cache types and attention layout (`slots` sequences in one cache; 1: one sequence's cells)."""
     return (f"v1|{path.resolve()}|{path.stat().st_size}|t{options.threads}|{'/'.join(options.kv_types)}"
-            f"|gpu{options.n_gpu_layers}|rpc{','.join(options.rpc)}")
+            f"|gpu{options.n_gpu_layers}|rpc{','.join(options.rpc)}" + (f"|unified{slots}" if slots > 1 else ""))
 
 
 def _decides(options: LoadOptions) -> bool:
@@ -116,19 +131,22 @@ def _decides(options: LoadOptions) -> bool:
     return options.flash_attn is None and not KV_CACHE_TYPES[options.kv_types[1]].quantized
 
 
-def with_measured_flash_attn(path: Path, options: LoadOptions, store: Store) -> LoadOptions:
-    """`options` with flash_attn set from the store's verdict where edgeinfer decides it (see
-    the module); unchanged where there is no usable verdict."""
+def with_measured_flash_attn(path: Path, options: LoadOptions, store: Store, slots: int = 1) -> LoadOptions:
+    """`options` with flash_attn set from the store's verdict for this layout (`slots`: see
+    FlashAttnChoice) where edgeinfer decides it (see the module); unchanged where there is no
+    usable verdict."""
     if not _decides(options):
         return options
     try:
-        known = store.read_cache(_CACHE_KIND, verdict_key(path, options))
+        known = store.read_cache(_CACHE_KIND, verdict_key(path, options, slots))
     except OSError:
         return options
     if known is None:
         return options
     try:
         choice = FlashAttnChoice.from_dict(known)
+        if choice.slots != slots:
+            raise ValueError(f"measured for {choice.slots} slots, not {slots}")
     except ValueError as e:
         log.debug("ignoring an unusable flash-attention verdict for %s: %s", path.name, e)
         return options
@@ -136,9 +154,10 @@ def with_measured_flash_attn(path: Path, options: LoadOptions, store: Store) -> 
 
 
 def remember_flash_attn(path: Path, options: LoadOptions, store: Store, choice: FlashAttnChoice) -> None:
-    """Keep a verdict for loads with these options (those that leave flash attention to us)."""
+    """Keep a verdict for loads with these options (those that leave flash attention to us) and its layout."""
     try:
-        store.write_cache(_CACHE_KIND, verdict_key(path, replace(options, flash_attn=None)), choice.to_dict())
+        store.write_cache(_CACHE_KIND, verdict_key(path, replace(options, flash_attn=None), choice.slots),
+                          choice.to_dict())
     except OSError as e:
         log.debug("flash-attention verdict not remembered: %s", e)
 
@@ -146,20 +165,21 @@ def remember_flash_attn(path: Path, options: LoadOptions, store: Store, choice: 
 # -- the measurement -----------------------------------------------------------------------------
 
 
-def measure_flash_attn(rt: LlamaRuntime, tokens: Sequence[int], steps: int = 8) -> FlashAttnChoice:
-    """Time a prefill of `tokens` and `steps` one-token decodes after it with flash attention on
-    and off, each on a scratch context of its own over `rt`'s weights (the settings alternate;
-    medians). `tokens`: any text's tokens, as many as the depth to measure at."""
+def measure_flash_attn(rt: LlamaRuntime, tokens: Sequence[int], steps: int = 8, slots: int = 1) -> FlashAttnChoice:
+    """Time a prefill of `tokens` and `steps` decode steps after it with flash attention on and off,
+    each on a scratch context of its own over `rt`'s weights (the settings alternate; medians).
+    `tokens`: any text's tokens, as many as the depth to measure at. `slots` > 1: that many
+    sequences of them in one KV cache, each step a row of each (the prefill timed is the first's)."""
     if rt.closed:
         raise InvalidOptionError(f"{rt.path.name}: this model was closed")
-    if not 1 <= len(tokens) <= rt.n_ctx - steps - 1:
-        raise InvalidOptionError(f"a flash-attention measurement needs 1..{rt.n_ctx - steps - 1} prompt tokens, "
-                                 f"got {len(tokens)}")
+    room = rt.n_ctx // slots - steps - 1
+    if not 1 <= len(tokens) <= room:
+        raise InvalidOptionError(f"a flash-attention measurement needs 1..{room} prompt tokens, got {len(tokens)}")
     tokens = [rt.check_token(t) for t in tokens]
     scratch: dict[bool, _Scratch] = {}
     try:
         for on in (True, False):
-            scratch[on] = _Scratch(rt, on, len(tokens) + steps + 1)
+            scratch[on] = _Scratch(rt, on, len(tokens) + steps + 1, slots)
         prefill = {on: s.prefill(tokens) for on, s in scratch.items()}
         decode: dict[bool, list[float]] = {True: [], False: []}
         last = tokens[-1]
@@ -170,35 +190,47 @@ def measure_flash_attn(rt: LlamaRuntime, tokens: Sequence[int], steps: int = 8) 
         for s in scratch.values():
             s.close()
     return FlashAttnChoice(depth=len(tokens), prefill_on_s=prefill[True], prefill_off_s=prefill[False],
-                           decode_on_s=statistics.median(decode[True]), decode_off_s=statistics.median(decode[False]))
+                           decode_on_s=statistics.median(decode[True]), decode_off_s=statistics.median(decode[False]),
+                           slots=slots)
 
 
 class _Scratch:
-    """A one-sequence context over a runtime's weights with flash attention forced on or off."""
+    """A context of `slots` sequences (of `n_ctx` cells each) in one KV cache over a runtime's
+    weights, with flash attention forced on or off."""
 
-    def __init__(self, rt: LlamaRuntime, flash: bool, n_ctx: int):
-        self.n_batch = min(rt.n_batch, n_ctx)
-        cparams = context_params(replace(rt.options, flash_attn=flash), n_ctx=n_ctx, n_batch=self.n_batch,
-                                 threads=rt.threads)
+    def __init__(self, rt: LlamaRuntime, flash: bool, n_ctx: int, slots: int = 1):
+        self.slots = slots
+        self.n_batch = max(min(rt.n_batch, n_ctx * slots), slots)  # (a step is a row of each sequence)
+        cparams = context_params(replace(rt.options, flash_attn=flash), n_ctx=n_ctx * slots, n_batch=self.n_batch,
+                                 threads=rt.threads, n_seq_max=slots)
         self.context = LlamaContext(rt.model, cparams, f"{rt.path.name}: llama.cpp could not create a scratch "
                                                        f"context (flash attention {'on' if flash else 'off'})")
 
-    def _decode(self, tokens: Sequence[int], pos0: int) -> None:
-        rows = DecodeRows()
-        rows.extend(tokens, pos0, 0, len(tokens) - 1)
+    def _decode(self, rows: DecodeRows) -> None:
         rc = self.context.decode(rows)
         if rc != 0:
             raise InvalidModelError(f"llama_decode failed while measuring flash attention (rc={rc})")
 
     def prefill(self, tokens: Sequence[int]) -> float:
-        t0 = time.perf_counter()
-        for start in range(0, len(tokens), self.n_batch):
-            self._decode(tokens[start : start + self.n_batch], start)
-        return time.perf_counter() - t0
+        """Seconds of the first sequence's prefill; the other sequences get cells of their own too."""
+        seconds = 0.0
+        for seq in range(self.slots):
+            t0 = time.perf_counter()
+            for start in range(0, len(tokens), self.n_batch):
+                rows = DecodeRows()
+                chunk = tokens[start : start + self.n_batch]
+                rows.extend(chunk, start, seq, len(chunk) - 1)
+                self._decode(rows)
+            seconds = seconds or time.perf_counter() - t0
+        return seconds
 
     def step(self, token: int, pos: int) -> float:
+        """Seconds of one decode of a row of each sequence."""
+        rows = DecodeRows()
+        for seq in range(self.slots):
+            rows.add(token, pos, seq, seq == self.slots - 1)
         t0 = time.perf_counter()
-        self._decode([token], pos)
+        self._decode(rows)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from ...errors import ContextLengthError
 from ..llama.runtime import DecodeAborted, LlamaRuntime
+from ..core.options import IDLE_CALIBRATION_ENV, idle_calibration_default
 from ..core.sequence import KVSequence
 from .policy import CALIBRATION_SIZES, PREFILL_SIZES, CostModel
 
@@ -132,14 +132,6 @@ def fit_costs(seconds: dict[int, dict[int, float]]) -> CostModel:
 # to (BatchOptions.calibrate_when_idle): they start from the store's curve or the size prior and
 # learn from the steps they take. For machines where minutes of busy cores at start cost more than a
 # measured curve buys, and for the test suite's many short-lived servers.
-IDLE_CALIBRATION_ENV = "EDGEINFER_IDLE_CALIBRATION"
-
-
-def idle_calibration_default() -> bool:
-    """BatchOptions.calibrate_when_idle's default: on, unless $EDGEINFER_IDLE_CALIBRATION is 0."""
-    return os.environ.get(IDLE_CALIBRATION_ENV, "1").strip() != "0"
-
-
 # Sizes the idle calibration times: the drafting sizes, then up to a full ubatch for the prefill budget.
 IDLE_SIZES = tuple(sorted(set(CALIBRATION_SIZES) | set(PREFILL_SIZES)))
 _IDLE_REPS = 2  # each size twice, the faster kept: other load only ever slows a decode down

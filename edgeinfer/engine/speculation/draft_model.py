@@ -204,9 +204,6 @@ class DraftContext:
             finally:
                 seq.forget()
 
-    def release(self, slot: int) -> None:
-        """Nothing to free per request: the slot's sequence keeps its cache for the next one."""
-
 
 class ModelDrafter:
     """One request's draft-model state: its length policy, whether the draft model can pay at

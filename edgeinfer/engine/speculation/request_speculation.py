@@ -8,7 +8,6 @@ everything in one target decode and reports back with `observe`.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,7 +20,7 @@ from .heads import HeadContext, HeadDrafter
 from .lookup import LookupMatch, NgramIndex
 from .policy import CostModel, LengthPolicy
 
-__all__ = ["Proposal", "RequestSpeculation", "speculation_method", "recurrent_warning"]
+__all__ = ["Proposal", "RequestSpeculation", "speculation_method"]
 
 # A 2-gram match is weaker evidence than a longer one.
 _WEAK_MATCH_QUALITY = 0.8
@@ -153,9 +152,6 @@ class RequestSpeculation:
         if self.model is not None and self.model.note:
             self.stats.note = self.model.note
 
-    def close(self) -> None:
-        pass
-
 
 def _quality(match: LookupMatch, policy: LengthPolicy) -> float:
     """A factor on the first drafted row's estimate (LengthPolicy.gains)."""
@@ -172,8 +168,3 @@ def _best_rate(p: Proposal) -> float:
         rate = e / (costs.time(k + 1) * costs.optimism(k + 1) / t1 + k * p.draft_cost)
         best = max(best, rate)
     return best
-
-
-def recurrent_warning(name: str) -> None:
-    warnings.warn(f"speculation off: {name} is a recurrent/hybrid model whose memory cannot drop a rejected suffix",
-                  stacklevel=4)
