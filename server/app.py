@@ -148,6 +148,22 @@ class _AccessLog:
             access_log.info("%s", access_line(scope, record, time.perf_counter() - started))
 
 
+def _constraint_field(parsed: Any) -> str:
+    """The request field a constraint error names: its tools, grammar or response_format."""
+    options = parsed.options
+    if parsed.kind == "chat" and parsed.tools.active and options.grammar is None and options.json_schema is None:
+        return "tools"
+    return "grammar" if options.grammar is not None else "response_format"
+
+
+def _failure(e: edgeinfer.EdgeInferError, constraint: str) -> APIError:
+    """A request that failed while generating: its grammar's budget exhausted (llguidance's per-step
+    limits) is the client's constraint, a 400 naming it; anything else a 500."""
+    if isinstance(e, edgeinfer.GrammarError):
+        return APIError(400, str(e), param=constraint)
+    return APIError(500, str(e), type="server_error")
+
+
 def _note(request: Request, done: edgeinfer.DoneEvent) -> None:
     record = request.scope.get("edgeinfer.access")
     if record is not None:
@@ -259,10 +275,7 @@ class _Service:
                 raise APIError(503, what, type="server_error", code="unavailable",
                                headers={"Retry-After": "1"}) from None
             if isinstance(e, edgeinfer.GrammarError):  # the request's constraint can never be met
-                field = "tools" if parsed.kind == "chat" and parsed.tools.active and parsed.options.grammar is None \
-                    and parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
-                    else "response_format"
-                raise APIError(400, str(e), param=field) from None
+                raise APIError(400, str(e), param=_constraint_field(parsed)) from None
             if isinstance(e, edgeinfer.ContextLengthError):  # the prompt's own field, by route
                 raise APIError(400, str(e), code="context_length_exceeded",
                                param="messages" if parsed.kind == "chat" else "prompt") from None
@@ -277,7 +290,8 @@ class _Service:
                 gen.close()  # a client gone mid-stream cancels the request: its slot is free at the next step
                 release()
 
-            return _EventStream(self._stream(request, gen, wake, answer), close, answer.media_type)
+            return _EventStream(self._stream(request, gen, wake, answer, _constraint_field(parsed)), close,
+                                answer.media_type)
         watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:  # the lease is held until the response is built (logprobs read the model's vocabulary)
             try:
@@ -290,7 +304,7 @@ class _Service:
                         elif isinstance(e, edgeinfer.TokenEvent):
                             tokens_seen.append(e)
             except edgeinfer.EdgeInferError as e:
-                raise APIError(500, str(e), type="server_error") from None
+                raise _failure(e, _constraint_field(parsed)) from None
             finally:
                 watcher.cancel()
                 gen.close()
@@ -304,7 +318,8 @@ class _Service:
         finally:
             release()
 
-    async def _stream(self, request: Request, gen, wake: asyncio.Event, reply: Reply) -> AsyncIterator[str]:
+    async def _stream(self, request: Request, gen, wake: asyncio.Event, reply: Reply,
+                      constraint: str) -> AsyncIterator[str]:
         watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:
             for piece in reply.opening():
@@ -323,7 +338,7 @@ class _Service:
                     for piece in reply.closing(done):
                         yield piece
         except edgeinfer.EdgeInferError as e:
-            for piece in reply.failure(APIError(500, str(e), type="server_error")):
+            for piece in reply.failure(_failure(e, constraint)):
                 yield piece
         except APIError as e:  # an event that cannot be written (a NaN: finite_json): the stream ends with it
             gen.cancel()

@@ -11,12 +11,12 @@ tests/test_server_tools.py does not already cover):
   server's decode steps), every one ends by itself and validates (`jsonschema`, the independent
   checker); the samples differ and the optional fields are sometimes there, sometimes not.
 - Bad constraints: a grammar whose every rule recurses without end, one with an undefined rule,
-  schemas with unsupported keywords or a fractional bound on a number, a schema of 1 MB (under the
-  body limit, so it reaches the compiler), a recursive schema (also as a recursive Pydantic model
-  through `parse`): each is a 400 whose one-line message names the problem and whose `param` names
-  the field, answered within a bounded time, while a streamed request runs on to its end beside
-  them, and the server answers a constrained request afterwards. A grammar no token of the model's
-  vocabulary can start is a 400 too (the engine checks it when the request is submitted).
+  schemas with keywords llguidance cannot enforce (`not`, `uniqueItems`), a schema of 1 MB (under
+  the body limit, so it reaches the compiler), a grammar naming a special token, 1,000 nested
+  parentheses: each is a 400 whose one-line message names the problem and whose `param` names the
+  field, answered within a bounded time, while a streamed request runs on to its end beside them,
+  and the server answers a constrained request afterwards. A recursive Pydantic model is enforced
+  through `parse`; a grammar for a NUL byte is served (llguidance writes it with the byte token).
 
 On the default model's F16 copy (test_server's MODEL_FILE link), with one llama.cpp thread per
 server (EDGEINFER_THREADS, as the suite sets it per worker).
@@ -220,24 +220,19 @@ def _megabyte_schema() -> dict:
     return schema
 
 
-RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {
-    "$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
-
 BAD = {
     "grammar recursing without end": ({"grammar": 'root ::= item\nitem ::= "[" list\nlist ::= item "]"'},
                                       "grammar", r"matches no finite text"),
     "grammar with an undefined rule": ({"grammar": 'root ::= "a" missing'}, "grammar",
-                                       r"invalid grammar: Undefined rule identifier 'missing'"),
-    "keyword pattern": (_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}),
-                        "response_format", r'unsupported JSON schema keyword "pattern" at #/properties/a'),
-    "keyword oneOf": (_schema({"oneOf": [{"type": "string"}, {"type": "integer"}]}),
-                      "response_format", r'unsupported JSON schema keyword "oneOf" at #'),
-    "keyword patternProperties": (_schema({"type": "object", "patternProperties": {"^a": {"type": "string"}}}),
-                                  "response_format", r'unsupported JSON schema keyword "patternProperties"'),
+                                       r"invalid grammar: Rule 'missing' not found"),
+    "keyword not": (_schema({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+                    "response_format", r'JSON schema: Unimplemented keys: \["not"\]'),
+    "keyword uniqueItems": (_schema({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+                            "response_format", r'Unimplemented keys: \["uniqueItems"\]'),
     "1 MB schema": (None, "response_format", r"JSON schema is too large: 1000000 bytes"),
-    "recursive schema": (_schema(RECURSIVE), "response_format", r"recursive JSON schemas are not supported"),
-    "fractional bound": (_schema({"type": "number", "maximum": 2.5}), "response_format",
-                         r"bounds of a number must be whole"),
+    "a token named in a grammar": ({"grammar": 'root ::= "a" <|im_end|>'}, "grammar", r"grammar names a token"),
+    "1,000 nested parentheses": ({"grammar": "root ::= " + "(" * 1000 + '"a"' + ")" * 1000}, "grammar",
+                                 r"parentheses nested 33: at most 32"),
 }
 
 
@@ -291,7 +286,6 @@ def test_the_server_compiles_constraints_off_its_event_loop(f16_path, monkeypatc
     import edgeinfer
     from edgeinfer.engine.core import sampler as sampler_module
     from edgeinfer.engine.structured import grammar as grammar_module
-    from edgeinfer.engine.structured import json_schema as schema_module
     from edgeinfer_server import ServerConfig
 
     def on_event_loop() -> bool:
@@ -309,9 +303,9 @@ def test_the_server_compiles_constraints_off_its_event_loop(f16_path, monkeypatc
             return real(*args, **kw)
         return call
 
-    monkeypatch.setattr(sampler_module, "_new_sampler", spied("compile", sampler_module._new_sampler))
-    monkeypatch.setattr(grammar_module, "_new_sampler", spied("parse", grammar_module._new_sampler))
-    monkeypatch.setattr(schema_module._Compiler, "visit", spied("schema", schema_module._Compiler.visit))
+    # llguidance: the grammar checked and compiled (grammar.py), the matcher made against the vocabulary
+    monkeypatch.setattr(grammar_module, "llguidance_grammar", spied("compile", grammar_module.llguidance_grammar))
+    monkeypatch.setattr(sampler_module, "Constraint", spied("matcher", sampler_module.Constraint))
     batch = edgeinfer.BatchOptions(parallel=1, calibrate_when_idle=False)
     with edgeinfer.BatchEngine.load(f16_path, batch=batch, n_ctx=1024) as engine:
         app = LiveApp(engine, ServerConfig(port=0))
@@ -326,36 +320,33 @@ def test_the_server_compiles_constraints_off_its_event_loop(f16_path, monkeypatc
                 assert r.status_code == 200, r.text
         finally:
             app.stop()
-    assert {name for name, _ in where} == {"compile", "parse", "schema"}, where
+    assert {name for name, _ in where} == {"compile", "matcher"}, where
     assert not [w for w in where if w[1]], where
 
 
-def test_a_recursive_pydantic_model_is_a_400_through_parse(server):
-    import openai
-    from pydantic import BaseModel
+def test_a_recursive_pydantic_model_is_enforced_through_parse(server):
+    """llguidance enforces recursive schemas ($ref to itself): `parse` gets a tree back."""
+    from pydantic import BaseModel, Field
 
     class Node(BaseModel):
-        name: str
-        children: list[Node]
+        name: str = Field(max_length=8)
+        children: list[Node] = Field(max_length=2)
 
     Node.model_rebuild()
-    t0 = time.perf_counter()
-    with pytest.raises(openai.BadRequestError, match="recursive JSON schemas are not supported"):
-        server.client().chat.completions.parse(model=MODEL_FILE, messages=[{"role": "user", "content": "A tree."}],
-                                               response_format=Node, max_tokens=32)
-    assert time.perf_counter() - t0 < BAD_REQUEST_S
+    r = server.client().chat.completions.parse(
+        model=MODEL_FILE, messages=[{"role": "user", "content": "A tree of three nodes as JSON."}],
+        response_format=Node, max_tokens=400, temperature=1.0, seed=3)
+    assert isinstance(r.choices[0].message.parsed, Node)
 
 
-def test_a_grammar_no_token_can_start_is_a_400(server):
-    """`root ::= "\\x00"` is valid GBNF, but no token of the vocabulary writes a NUL: the request can
-    never produce anything. It is the client's mistake (a 400 naming `grammar`), streamed or not,
-    not a server error."""
+def test_a_grammar_for_a_byte_no_text_token_writes_is_served(server):
+    """`root ::= "\x00"`: llama.cpp's grammar sampler found no token for a NUL (a 400 before);
+    llguidance writes it with the byte token, streamed or not."""
     import httpx2 as httpx
 
     body = {"model": MODEL_FILE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
             "grammar": 'root ::= "\\x00"'}
-    for stream in (False, True):
-        r = httpx.post(server.url + "/chat/completions", json={**body, "stream": stream}, timeout=60)
-        assert r.status_code == 400, (stream, r.status_code, r.text[:300])
-        error = r.json()["error"]
-        assert "allows no token" in error["message"] and error["param"] == "grammar", error
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "\x00", r.text[:300]
+    r = httpx.post(server.url + "/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200 and "\\u0000" in r.text, r.text[:300]

@@ -283,10 +283,11 @@ def _grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: ToolCh
     rules.append(f"{_P}root ::= {root}")
     gbnf = "\n".join(rules) + "\n"
     if not lazy:
-        return Grammar(gbnf, root=f"{_P}root").validate()
+        return Grammar(gbnf, root=f"{_P}root", native=True).validate()
     # the marker as a token: the grammar is handed exactly its text. As text (a vocabulary without
     # such a token), the token that completes it may carry more: the gap after it allows whitespace.
     tokens = (start_token,) if start_token is not None else ()
     if start_token is None:
         patterns.insert(0, re.escape(fmt.start))
-    return Grammar(gbnf, root=f"{_P}root", trigger_patterns=tuple(patterns), trigger_tokens=tokens).validate()
+    return Grammar(gbnf, root=f"{_P}root", trigger_patterns=tuple(patterns), trigger_tokens=tokens,
+                   native=True).validate()

@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from ...errors import InvalidOptionError
 from ..structured.grammar import Grammar
-from ..structured.json_schema import json_schema_to_grammar
 from ...cpu import usable_cores
 from ...llama_backend import env_threads, max_threads, threads_out_of_range
 from ...kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
@@ -291,7 +290,7 @@ class GenerateOptions:
             _instance("", "grammar", self.grammar, Grammar, "a Grammar or GBNF text")
             return self.grammar
         if self.json_schema is not None:
-            return json_schema_to_grammar(self.json_schema)
+            return Grammar.from_json_schema(self.json_schema)
         return None
 
     def validate(self) -> GenerateOptions:

@@ -1,9 +1,18 @@
 """One request's speculation: what it may draft each step, and what it learns from each step.
 
 The scheduler core asks every decoding request for a `Proposal` (prompt lookup's continuation, or
-a draft model's next tokens, not yet drafted), sizes all proposals of a step together with
+a draft model's next tokens, not yet drafted; under a llguidance grammar the tokens it forces come
+first), sizes all proposals of a step together with
 `plan_drafts` from the batch's cost curve, has the draft model draft what was planned, verifies
 everything in one target decode and reports back with `observe`.
+
+Forced tokens (issue 46). Where the request's grammar allows exactly one token next (and the one
+after, …: llguidance's forced continuation, `Sampler.forced`), those tokens are drafts that cannot
+be rejected: verification samples every row from the constrained distribution, whose only token
+is the forced one, so the output and the RNG's draws are those of plain decoding, token for token.
+They lead the proposal with a gain of 1 each (acceptance 1: `plan_drafts` prices them as such),
+followed by lookup's continuation when lookup's match begins with them; the lookup policy learns
+only from the rows after them.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class Proposal:
     gains: list[float]  # expected tokens each row would add
     tokens: list[int] = field(default_factory=list)  # lookup: the continuation found; model: after drafting
     draft_cost: float = 0.0  # a drafted token's cost in target steps (a draft model's or a head's decodes)
+    forced: int = 0  # leading tokens the grammar forces (always accepted)
     fixed: bool = False  # a fixed length the user asked for (adaptive off): not planned
     k: int = 0  # what the step's plan gave it
     job: DraftJob | None = None  # a draft model's work, once planned
@@ -70,6 +80,9 @@ class RequestSpeculation:
         self.sampler = sampler if self.model is not None else None
         self.sampled = self.sampler is not None and self.sampler.exact
         """Whether this request's tokens are all drawn in numpy (a sampling draft model)."""
+        # The grammar whose forced continuation leads lookup's drafts (see the module).
+        self.constraint = sampler if self.lookup is not None and sampler is not None and \
+            sampler.grammar is not None and sampler.grammar.on_llguidance else None
 
     def policies(self) -> list[LengthPolicy]:
         out = [self.lookup_policy] if self.lookup_policy is not None else []
@@ -101,12 +114,16 @@ class RequestSpeculation:
         if self.lookup is not None and self.lookup_policy is not None:
             policy = self.lookup_policy
             self.lookup.sync(history)
+            forced = self.constraint.forced()[:room] if self.constraint is not None else []
             match = self.lookup.lookup(policy.limit(room))
-            if match.tokens:
+            tail = match.tokens[len(forced):] if match.tokens[:len(forced)] == forced else []
+            if match.tokens and not forced:
                 policy.full_match = match.full
-                draft = match.tokens
-                best = Proposal("lookup", policy, len(draft), policy.gains(len(draft), _quality(match, policy)),
-                                tokens=draft, fixed=not policy.opts.adaptive)
+            if forced or tail:
+                draft = forced + tail[:max(0, room - len(forced))]
+                gains = [1.0] * len(forced) + policy.gains(len(draft) - len(forced), _quality(match, policy))
+                best = Proposal("lookup", policy, len(draft), gains, tokens=draft,
+                                fixed=not policy.opts.adaptive and not forced, forced=len(forced))
                 best_rate = _best_rate(best)
         model = self.model
         if model is not None and model.enabled:
@@ -138,7 +155,9 @@ class RequestSpeculation:
             self.stats.plain_steps += 1
             return
         assert proposal is not None
-        proposal.policy.observe(n_drafted, n_accepted, step_s, draft_s, plain_s, learn_costs=False)
+        forced = min(proposal.forced, n_drafted)  # (always accepted: not evidence about lookup)
+        proposal.policy.observe(n_drafted - forced, max(0, n_accepted - forced), step_s, draft_s, plain_s,
+                                learn_costs=False)
         self.stats.record(n_drafted, n_accepted)
         if proposal.job is not None and self.model is not None:
             self.model.drafted(proposal.job)

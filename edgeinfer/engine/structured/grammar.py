@@ -1,6 +1,11 @@
-"""Grammar-constrained sampling: GBNF grammars (JSON schemas compile to them in json_schema.py).
+"""Grammar-constrained sampling: a `Grammar` is GBNF text or a JSON schema.
 
-A `Grammar` is GBNF text (llama.cpp's grammar format) with its start rule, optionally *lazy*: it
+Two engines enforce them. A user's grammar or JSON schema (`Grammar(gbnf)`, `Grammar.from_json_schema`)
+runs on llguidance (llg.py: bounded, fast masks, forced tokens). The tool-call grammars that
+engine/chat/tools.py builds (`native=True`, and every lazy grammar) run on llama.cpp's own grammar
+sampler, as described below.
+
+A native `Grammar` is GBNF text (llama.cpp's grammar format) with its start rule, optionally *lazy*: it
 constrains nothing until the output matches one of `trigger_patterns` (regular expressions, matched
 against all the output so far; the grammar is fed the output from the pattern's first capture group
 on) or a `trigger_tokens` token is sampled (fed from that token on) — how a tool call is forced once
@@ -30,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -41,6 +47,8 @@ from typing import Any
 
 from ...errors import InvalidOptionError
 from ...llama_backend import backend, log_capture
+from .bounds import load_schema
+from .llg import llguidance_grammar
 
 __all__ = ["Grammar", "check_gbnf", "MAX_GBNF_BYTES"]
 
@@ -61,14 +69,38 @@ class Grammar:
     root: str = "root"
     trigger_patterns: tuple[str, ...] = ()
     trigger_tokens: tuple[int, ...] = ()
+    # llama.cpp's grammar sampler enforces it (tool-call grammars), not llguidance.
+    native: bool = False
+    # A JSON schema (canonical JSON text) that llguidance enforces; `gbnf` is then empty.
+    json_schema: str | None = None
+
+    @classmethod
+    def from_json_schema(cls, schema: Any) -> Grammar:
+        """The grammar of the JSON texts that validate against `schema` (a mapping or JSON text),
+        enforced by llguidance (see `validate` for what is refused)."""
+        loaded, _text = load_schema(schema)
+        return cls("", json_schema=json.dumps(loaded, ensure_ascii=False, sort_keys=False))
 
     @property
     def lazy(self) -> bool:
         return bool(self.trigger_patterns or self.trigger_tokens)
 
+    @property
+    def on_llguidance(self) -> bool:
+        """Whether llguidance enforces it (a user's grammar or schema) rather than llama.cpp."""
+        return not self.native and not self.lazy
+
     def validate(self) -> Grammar:
-        """Refuse wrong types, sizes, trigger regexes llama.cpp cannot compile, and GBNF that does
-        not parse (checked without a vocabulary: token references `<…>` are checked at load)."""
+        """Refuse wrong types, sizes, trigger regexes llama.cpp cannot compile, and grammars that do
+        not compile: on llguidance, bounded first (bounds.py: size, nesting, rules, alternatives,
+        repetitions, no token references) and then checked by its compiler, which names the
+        schema keywords it cannot enforce; native GBNF by llama.cpp's parser (without a
+        vocabulary: token references `<…>` are checked at load)."""
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str) or self.lazy or self.native:
+                raise InvalidOptionError("a JSON-schema grammar is JSON text, neither lazy nor native")
+            llguidance_grammar(self)
+            return self
         if not isinstance(self.gbnf, str):
             raise InvalidOptionError(f"grammar must be GBNF text (a str), got {type(self.gbnf).__name__}")
         if not isinstance(self.root, str) or not re.fullmatch(r"[A-Za-z0-9-]+", self.root):
@@ -84,6 +116,16 @@ class Grammar:
         for t in self.trigger_tokens:
             if not 0 <= t < 2**31:
                 raise InvalidOptionError(f"grammar trigger token {t} is not a token id")
+        if self.on_llguidance:
+            if not self.gbnf.strip():
+                raise InvalidOptionError("grammar is empty")
+            if "\x00" in self.gbnf:
+                raise InvalidOptionError("grammar contains a NUL character")
+            llguidance_grammar(self)
+            if self.root not in _productive_rules(self.gbnf):
+                raise InvalidOptionError(f"invalid grammar: rule '{self.root}' matches no finite text "
+                                         "(each of its alternatives recurses without end)")
+            return self
         check_gbnf(self.gbnf, self.root)
         return self
 

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import InvalidOptionError
+from .bounds import MAX_SCHEMA_BYTES, load_schema
 from .grammar import MAX_GBNF_BYTES, Grammar
 
 __all__ = ["json_schema_to_grammar", "SUPPORTED_KEYWORDS", "MAX_SCHEMA_BYTES", "MAX_REPETITIONS"]
 
-MAX_SCHEMA_BYTES = 128 << 10  # a JSON schema larger than this (serialized) is refused
 MAX_SCHEMA_DEPTH = 64  # nesting of subschemas
 # llama.cpp's GBNF parser silently turns an {m,n} with n > 2000 into {m,} (MAX_REPETITION_THRESHOLD):
 # a maxLength/maxItems beyond it could not be enforced, so it is refused.
@@ -421,34 +421,6 @@ class _Compiler:
         return self.add(path, f'"{{" ws {body} ws "}}"')
 
 
-def _load_schema(schema: Mapping | str) -> tuple[Any, str]:
-    """The schema as data, and as JSON text (what names its compilation)."""
-    if isinstance(schema, (bytes, bytearray)):
-        schema = schema.decode("utf-8", errors="replace")
-    if isinstance(schema, str):
-        size = len(schema.encode("utf-8", errors="replace"))
-        if size > MAX_SCHEMA_BYTES:
-            raise InvalidOptionError(f"JSON schema is too large: {size} bytes (at most {MAX_SCHEMA_BYTES})")
-        try:
-            return json.loads(schema), schema
-        except RecursionError:
-            raise InvalidOptionError("JSON schema nests too deeply") from None
-        except ValueError as e:
-            raise InvalidOptionError(f"JSON schema is not valid JSON: {e}") from None
-    if not isinstance(schema, Mapping) and not isinstance(schema, bool):
-        raise InvalidOptionError(f"json_schema must be a mapping or JSON text, got {type(schema).__name__}")
-    try:
-        text = json.dumps(schema, ensure_ascii=False)
-        size = len(text.encode("utf-8", errors="replace"))
-    except RecursionError:
-        raise InvalidOptionError("JSON schema nests too deeply") from None
-    except (TypeError, ValueError) as e:
-        raise InvalidOptionError(f"JSON schema is not JSON data: {e}") from None
-    if size > MAX_SCHEMA_BYTES:
-        raise InvalidOptionError(f"JSON schema is too large: {size} bytes (at most {MAX_SCHEMA_BYTES})")
-    return schema, text
-
-
 # The last schemas compiled, by their JSON text: a request's schema is read where it is parsed and
 # where it is checked, and clients send the same response_format again and again.
 _compiled: OrderedDict[str, Grammar] = OrderedDict()
@@ -466,7 +438,7 @@ def json_schema_to_grammar(schema: Mapping | str) -> Grammar:
     their declared properties only, in declared order. Anything else is an InvalidOptionError naming
     the keyword; so is a recursive schema, one over MAX_SCHEMA_BYTES, or one whose grammar would
     exceed MAX_GBNF_BYTES (compilation is linear in the schema's size)."""
-    loaded, text = _load_schema(schema)
+    loaded, text = load_schema(schema)
     with _compiled_lock:
         if text in _compiled:
             _compiled.move_to_end(text)
@@ -474,7 +446,7 @@ def json_schema_to_grammar(schema: Mapping | str) -> Grammar:
     compiler = _Compiler(loaded)
     top = compiler.visit(loaded, "#", 0)
     rules = {"root": top, **compiler.rules}
-    grammar = Grammar("\n".join(f"{k} ::= {v}" for k, v in rules.items()) + "\n")
+    grammar = Grammar("\n".join(f"{k} ::= {v}" for k, v in rules.items()) + "\n", native=True)
     with _compiled_lock:
         _compiled[text] = grammar
         while len(_compiled) > _COMPILED_KEPT:
