@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from edgeinfer.service import ModelPlan, ModelService
 
 from . import metrics as prom
 from .browser import BrowserGuard
-from .config import ServerConfig, check_credentials
+from .config import ServerConfig, check_credentials, key_scope
 from .dialects import dialect_routes
 from .dialects.shapes import OPENAI, ErrorShape, shape_for_path
 from .embeddings import handle_embeddings
@@ -280,6 +281,9 @@ class _Service:
         loaded = time.perf_counter()
         try:
             options, tools = parsed.options, None
+            scope = key_scope(request.headers)  # one memory of earlier answers per API key
+            if options.speculation.memory_scope != scope:
+                options = replace(options, speculation=replace(options.speculation, memory_scope=scope))
             if parsed.kind == "chat":
                 tokens, options, tools = await run_in_threadpool(prepare_chat, engine, parsed.messages, options,
                                                                  parsed.tools)
