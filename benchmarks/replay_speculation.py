@@ -326,6 +326,18 @@ def recorded_output(engine, prompt: list[int], sampling, tokens: int, record: Pa
     return known[key]
 
 
+def recorded_curve(engine, prompt: list[int], depth: int, max_b: int, record: Path | None) -> dict[int, float]:
+    """The cost curve at this depth, measured once and kept in `record` beside the outputs (a policy
+    change is then replayed on the same curve, noise-free, run after run)."""
+    key = f"curve|{engine.path.name}|{depth}|{max_b}"
+    known = json.loads(record.read_text()) if record and record.exists() else {}
+    if key not in known:
+        known[key] = cost_curve(engine, prompt, max_b=max_b)
+        if record:
+            record.write_text(json.dumps(known))
+    return {int(b): t for b, t in known[key].items()}
+
+
 def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled: bool = True,
         fixed_curve: dict[int, float] | None = None, record: Path | None = None,
         fixed_lengths: tuple[int, ...] = ()) -> list[dict]:
@@ -348,7 +360,7 @@ def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled
         if fixed_curve is not None:
             curves[depth] = fixed_curve
         elif depth not in curves:
-            curves[depth] = cost_curve(engine, prompt, max_b=max([33, *(k + 1 for k in fixed_lengths)]))
+            curves[depth] = recorded_curve(engine, prompt, depth, max([33, *(k + 1 for k in fixed_lengths)]), record)
         curve = curves[depth]
         output = recorded_output(engine, prompt, sampling, tokens, record)
         beliefs = _beliefs(engine, prompt, curve, belief_names)
