@@ -13,6 +13,7 @@ whether every row's text equals `off`'s. llama-lookup's rows are beside its own 
 ours but of its own kernels). The tools come from benchmarks/build_llama_tools.sh.
 
     .venv/bin/python -m benchmarks.bench_suffix [--rounds 2] [--sequences tools,tests] [--rows off,suffix,auto,llama-lookup]
+        [--tokens 96] [--model GGUF]
 """
 
 from __future__ import annotations
@@ -136,11 +137,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookup-draft", type=int, default=8, help="llama-lookup's --spec-draft-n-max")
+    ap.add_argument("--model", help="a GGUF file instead of the real 1.5B (e.g. the default model's)")
     args = ap.parse_args()
     import edgeinfer
     from tests.real_models import qwen_pair
 
-    target = str(qwen_pair()[0])
+    target = args.model or str(qwen_pair()[0])
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     if "llama-lookup" in rows and not (TOOLS / "llama-lookup").exists():
         raise SystemExit(f"llama.cpp tools not found in {TOOLS}: run benchmarks/build_llama_tools.sh")
