@@ -6,7 +6,7 @@ noisy, so the ratios matter more than the absolute numbers). Peak RSS is measure
 child processes, one per implementation.
 
     .venv/bin/python -m benchmarks.bench_decode [--rounds 5] [--tokens 256] [--threads 2] [--pair | --model PATH]
-        [--no-rss] [--no-flash-choice]
+        [--no-rss] [--no-flash-choice] [--before TREE]
 
 A second row loads the model again after `Engine.measure_flash_attn` (what `edgeinfer bench` keeps):
 flash attention on or off as measured faster here (`--no-flash-choice` skips it; run with a fresh
@@ -14,6 +14,11 @@ EDGEINFER_HOME so that the first row is llama.cpp's own choice).
 
 --pair runs it on the real Qwen2.5-Coder-1.5B-Instruct Q4_K_M (tests/real_models.py). The 1-minute
 load average is printed next to the table: on a shared machine read the ratios.
+
+--before TREE compares two checkouts (e.g. `git worktree add /tmp/before COMMIT` with its own .venv):
+each round runs this file's single-round measurement once in TREE and once here, alternately, each in a
+fresh process, and the table gives the medians of our loop's tok/s and of its ratio to the binding's
+(measured in the same process, which cancels most of the machine's load).
 """
 
 from __future__ import annotations
@@ -103,7 +108,10 @@ def main() -> None:
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     ap.add_argument("--no-flash-choice", action="store_true",
                     help="skip the row of an engine loaded with the flash-attention verdict it measured first")
+    ap.add_argument("--before", metavar="TREE", help="another checkout with its own .venv: before and after, alternating")
     args = ap.parse_args()
+    if args.before:
+        return compare_trees(args)
 
     import os
 
@@ -161,6 +169,34 @@ def main() -> None:
     for r in rows:
         rss_s = f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "-"
         print(f"{r['impl']:38} {r['decode_tok_s']:12.1f} {r['vs_binding']:10.3f} {r['ttft_ms']:8.1f} {rss_s:>12}")
+
+
+def compare_trees(args) -> None:
+    """Rounds of one measurement in each checkout, alternating, each in a fresh process: medians."""
+    import os
+    from pathlib import Path
+
+    trees = {"before": Path(args.before).resolve(), "after": Path(__file__).resolve().parents[1]}
+    extra = ["--pair"] if args.pair else (["--model", args.model] if args.model else [])
+    got: dict[str, list[dict]] = {k: [] for k in trees}
+    loads = []
+    for rnd in range(args.rounds):
+        for name in (list(trees) if rnd % 2 == 0 else list(trees)[::-1]):
+            tree = trees[name]
+            out = subprocess.run([str(tree / ".venv" / "bin" / "python"), "-m", "benchmarks.bench_decode", "--json",
+                                  "--rounds", "1", "--no-rss", "--no-flash-choice", "--tokens", str(args.tokens),
+                                  "--threads", str(args.threads), *extra], cwd=tree, capture_output=True, text=True,
+                                 check=True).stdout
+            rows = {r["impl"]: r for r in json.loads(out[out.index("["):])}
+            got[name].append(rows["edgeinfer loop"])
+            loads.append(os.getloadavg()[0])
+            print(f"round {rnd + 1} {name}: {rows['edgeinfer loop']}", file=sys.stderr)
+    print(f"greedy, {args.tokens} tokens, {args.threads} threads, median of {args.rounds} alternating rounds, "
+          f"load average {min(loads):.1f}-{max(loads):.1f}")
+    print("| checkout | decode tok/s | × binding (same process) | TTFT ms |\n| --- | ---: | ---: | ---: |")
+    for name, rs in got.items():
+        print(f"| {name} ({trees[name]}) | {statistics.median(r['decode_tok_s'] for r in rs):.1f} | "
+              f"{statistics.median(r['vs_binding'] for r in rs):.3f} | {statistics.median(r['ttft_ms'] for r in rs):.1f} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ Workloads: `snippet` (a short copy-with-edit), `chat300` (~300-token prompts, on
 
     .venv/bin/python benchmarks/bench_serve.py [--model PATH|REF] [--rounds 3] [--tokens 128]
         [--concurrency 1,2,4,8] [--parallel 8] [--ctx 8192] [--threads 2] [--workload snippet]
-        [--speculation off,lookup,auto] [--draft PATH] [--self-quant Q4_0] [--first-request]
+        [--speculation off,lookup,auto] [--draft PATH] [--self-quant Q4_0] [--first-request] [--before TREE]
+
+--before TREE adds a row served by another checkout (e.g. `git worktree add /tmp/before COMMIT` with its
+own .venv) for the first --speculation value: a change's before and after side by side in one run.
 """
 
 from __future__ import annotations
@@ -92,9 +95,9 @@ def _prompts(kind: str, n: int) -> list[str]:
 class Process:
     """A server subprocess; ready when `ready_line` appears on its output."""
 
-    def __init__(self, cmd: list[str], ready: str, env: dict | None = None):
+    def __init__(self, cmd: list[str], ready: str, env: dict | None = None, cwd: Path | None = None):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env or os.environ.copy())
+                                     env=env or os.environ.copy(), cwd=cwd)
         lines: queue.Queue[str | None] = queue.Queue()
 
         def read() -> None:
@@ -202,18 +205,25 @@ class Servers:
         self.ours: dict[str, Process] = {}
         self.theirs: Process | None = None
 
-    def ours_for(self, speculate: str, home: Path | None = None) -> tuple[Process, str]:
-        if speculate not in self.ours or home is not None:
+    def ours_for(self, speculate: str, home: Path | None = None, tree: Path | None = None) -> tuple[Process, str]:
+        """Our server with --speculate `speculate`; `tree`: another checkout's (its own .venv), the
+        `before` row of a before/after comparison, with a store of its own."""
+        key = speculate if tree is None else f"{speculate}@{tree}"
+        if key not in self.ours or home is not None:
             env = dict(self.env, EDGEINFER_HOME=str(home)) if home is not None else self.env
+            python = sys.executable
+            if tree is not None:
+                python = str(tree / ".venv" / "bin" / "python")
+                env = dict(env, EDGEINFER_HOME=tempfile.mkdtemp(prefix="bench-serve-before-"))
             a = self.args
-            proc = Process([sys.executable, "-m", "edgeinfer", "serve", self.model, "--port", "0", "--parallel",
+            proc = Process([python, "-m", "edgeinfer", "serve", self.model, "--port", "0", "--parallel",
                             str(a.parallel), "--ctx", str(a.ctx), "--threads", str(a.threads), "--speculate",
-                            speculate], " at http://", env)
+                            speculate], " at http://", env, cwd=tree)  # (`-m` imports from the cwd first)
             if home is not None:
                 return proc, proc.first_line.split(" at ", 1)[1].split()[0]
-            self.ours[speculate] = proc
+            self.ours[key] = proc
             _settled(proc.first_line.split(" at ", 1)[1].split()[0])
-        p = self.ours[speculate]
+        p = self.ours[key]
         return p, p.first_line.split(" at ", 1)[1].split()[0]
 
     def llama_server(self) -> str | None:
@@ -283,6 +293,11 @@ def run_rounds(args: argparse.Namespace, servers: Servers) -> None:
         # would find the earlier row's prompts in the slots' caches.
         rows[f"edgeinfer {row}"] = Row(url, model_id(url), extra, own_prompts=speculate in servers_seen)
         servers_seen.add(speculate)
+    if args.before:  # the same rows' first speculation, served by another checkout (before a change)
+        row = args.speculation.split(",")[0]
+        speculate, extra = server_for(row, args)
+        _, url = servers.ours_for(speculate, tree=Path(args.before).resolve())
+        rows[f"edgeinfer {row} (before: {Path(args.before).name})"] = Row(url, model_id(url), extra)
     peer = servers.llama_server()
     if peer is not None:
         rows[f"llama-server -np {args.parallel}"] = Row(peer, model_id(peer), {}, counts_eos=True)
@@ -397,6 +412,8 @@ def main() -> int:
                     help="our rows: off, lookup, auto (per request), draft (--draft), self (--self-quant)")
     ap.add_argument("--draft", help="draft model for the 'draft' row (a .gguf)")
     ap.add_argument("--self-quant", default="Q4_0", help="the self-draft's quant type for the 'self' row")
+    ap.add_argument("--before", metavar="TREE", help="also a row served by another checkout of edgeinfer (its own "
+                    ".venv), e.g. a worktree of the commit before a change: before and after in one run")
     ap.add_argument("--first-request", action="store_true", help="time the first request of fresh servers")
     args = ap.parse_args()
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell

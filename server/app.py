@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import threading
 import time
 from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,67 +36,29 @@ import edgeinfer
 from edgeinfer.service import ModelPlan, ModelService
 
 from . import metrics as prom
+from .body import MAX_JSON_DEPTH, PARSE_ON_LOOP, check_json, parse_json, read_body
 from .browser import BrowserGuard
 from .config import ServerConfig, check_credentials, key_scope
 from .dialects import dialect_routes
 from .dialects.shapes import OPENAI, ErrorShape, shape_for_path
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
+from .finite_json import JSONResponse
 from .protocol import ParsedRequest, finish_reason, parse_chat, parse_completion
 from .reply import OpenAIReply, Reply, ReplyContext, ReplyFactory
 from .routing import acquire, keep_alive_field, model_field, models_body, on_disconnect, plan_for, ps_body, stop_model
 from .slots import handle_slots
 from .tools import prepare_chat
 from . import webpage
+from .work import WorkPool
 
-__all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
+__all__ = ["create_app", "check_json", "MAX_JSON_DEPTH", "WORK_THREADS"]
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgeinfer_server.access")
 
-MAX_JSON_DEPTH = 64  # objects and arrays inside each other (a json_schema rarely needs 20)
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
-
-
-# -- the request body --------------------------------------------------------------------------
-
-
-def check_json(value: Any) -> None:
-    """Refuse what json.loads accepts but nothing downstream can use: text with lone surrogates
-    ("\\ud800" is valid JSON but not Unicode: it cannot be encoded for the tokenizer), and
-    nesting deeper than MAX_JSON_DEPTH. Iterative, so no depth can overflow the stack."""
-    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
-    while stack:
-        v, depth, path = stack.pop()
-        if isinstance(v, str):
-            _check_text(v, path)
-        elif isinstance(v, (dict, list)):
-            if depth >= MAX_JSON_DEPTH:
-                raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
-                               code="invalid_json")
-            if isinstance(v, dict):
-                for k, item in v.items():
-                    where = f"{path}.{k}" if path else k
-                    _check_text(k, where)
-                    stack.append((item, depth + 1, where))
-            else:
-                stack.extend((item, depth + 1, f"{path}[{i}]") for i, item in enumerate(v))
-
-
-def _check_text(s: str, where: str) -> None:
-    if s.isascii():
-        return
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        shown = where[:80] or "the body"
-        raise APIError(400, f"{shown} contains a lone surrogate (U+{ord(s[e.start]):04X}): "
-                       "text must be valid Unicode", code="invalid_json",
-                       param=where.split(".")[0].split("[")[0] or None) from None
-
-
-def _media_type(value: str) -> str:
-    return value.split(";", 1)[0].strip().lower()
+WORK_THREADS = 2  # threads of each worker pool (server/work.py): prompts and bodies, embeddings
 
 
 # -- streaming ---------------------------------------------------------------------------------
@@ -206,45 +168,39 @@ class _Service:
         self.config = config
         self.http = prom.HttpCounters()
         self.started = int(time.time())
-        self.in_flight: dict[str, int] = {}  # by model: generation requests admitted and not yet over (event loop only)
+        # by (model, kind): generation or embeddings requests admitted and not yet over (event loop only)
+        self.in_flight: dict[tuple[str, str], int] = {}
+        # CPU-heavy steps off the event loop (server/work.py): bodies, templates, tokenizing, starting
+        # a generation (as many waiting as there are connections); embeddings calls (--max-queue)
+        self.prepare = WorkPool("prepare", WORK_THREADS, config.max_connections, config.work_timeout_s)
+        self.embedding = WorkPool("embedding", WORK_THREADS, config.max_queue, config.work_timeout_s)
 
     # -- plumbing --------------------------------------------------------------------------------
+    def cancel_all(self) -> None:
+        """Cancel everything running: every model's requests, the pools' jobs (shutdown, after the
+        grace: an embeddings call stops at its next decode)."""
+        self.models.cancel_all()
+        self.prepare.cancel_all()
+        self.embedding.cancel_all()
+
     def max_tokens_limit(self, plan: ModelPlan) -> int:
         return self.config.max_tokens_limit or plan.n_ctx_per_request
 
     async def read_json(self, request: Request) -> Any:
-        ctype = request.headers.get("content-type", "")
-        if _media_type(ctype) != "application/json":
-            # A web page can POST text/plain, form or multipart bodies anywhere without asking;
-            # application/json needs a CORS preflight first, which BrowserGuard answers.
-            got = f"Content-Type {ctype[:60]!r}" if ctype else "no Content-Type"
-            raise APIError(415, f"the request body must be JSON sent with Content-Type: application/json (got {got})",
-                           code="unsupported_media_type")
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():  # ClientDisconnect: handled by the endpoint wrapper
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        try:
-            value = json.loads(body)
-        except RecursionError:
-            raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
-                           code="invalid_json") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        check_json(value)
-        return value
+        body = await read_body(request, self.config.max_body_bytes)
+        if len(body) <= PARSE_ON_LOOP:
+            return parse_json(body)
+        return await self.prepare.run(lambda cancel: parse_json(body), "request bodies")
 
-    def admit(self, plan: ModelPlan) -> Callable[[], None]:
-        """Count one more generation request in flight for the model, or refuse it with 503 when
-        its queue is full; returns the (idempotent) release."""
-        running, key = plan.parallel, plan.key
+    def admit(self, plan: ModelPlan, kind: str = "generation") -> Callable[[], None]:
+        """Count one more request of `kind` (generation: the model's slots; embeddings: one at a
+        time, its embedder's context) in flight for the model, or refuse it with 503 when its
+        --max-queue waiting places are taken; returns the (idempotent) release."""
+        running = plan.parallel if kind == "generation" else 1
+        key = (plan.key, kind)
         if self.in_flight.get(key, 0) >= running + self.config.max_queue:
-            raise APIError(503, f"the server is busy: {running} requests running on {plan.name} and "
+            what = "requests running" if kind == "generation" else "embeddings request running"
+            raise APIError(503, f"the server is busy: {running} {what} on {plan.name} and "
                            f"{self.config.max_queue} waiting (--max-queue); retry later", type="server_error",
                            code="queue_full", headers={"Retry-After": "1"})
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
@@ -279,25 +235,27 @@ class _Service:
 
         engine = lease.engine
         loaded = time.perf_counter()
-        try:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def start(cancel: threading.Event) -> tuple[int, Any]:
+            """(in the prepare pool) The prompt's tokens (a chat: its template) and the generation started."""
             options, tools = parsed.options, None
             scope = key_scope(request.headers)  # one memory of earlier answers per API key
             if options.speculation.memory_scope != scope:
                 options = replace(options, speculation=replace(options.speculation, memory_scope=scope))
             if parsed.kind == "chat":
-                tokens, options, tools = await run_in_threadpool(prepare_chat, engine, parsed.messages, options,
-                                                                 parsed.tools)
+                tokens, options, tools = prepare_chat(engine, parsed.messages, options, parsed.tools)
             elif isinstance(parsed.prompt, str):
-                tokens = await run_in_threadpool(engine.tokenize, parsed.prompt)
+                tokens = engine.tokenize(parsed.prompt)
             else:
                 tokens = list(parsed.prompt)
-            loop = asyncio.get_running_loop()
-            wake = asyncio.Event()
-            # (the check compiles a grammar against the vocabulary: in a worker thread, as the parse)
-            gen = await run_in_threadpool(lambda: engine.submit(tokens, options, logprobs=parsed.logprobs,
-                                                                notify=lambda: loop.call_soon_threadsafe(wake.set)))
-            if tools is not None:  # content and tool calls parsed out of the text
-                gen = tools.wrap(gen)
+            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
+                                notify=lambda: loop.call_soon_threadsafe(wake.set))
+            return len(tokens), tools.wrap(gen) if tools is not None else gen  # tools: calls parsed out of the text
+
+        try:
+            n_prompt, gen = await self.prepare.run(start, "prompts", abandoned=lambda started: started[1].close())
         except edgeinfer.EdgeInferError as e:
             release()
             if engine.closed:
@@ -305,15 +263,18 @@ class _Service:
                 raise APIError(503, what, type="server_error", code="unavailable",
                                headers={"Retry-After": "1"}) from None
             if isinstance(e, edgeinfer.GrammarError):  # the request's constraint can never be met
-                field = "tools" if tools is not None and parsed.options.grammar is None and \
+                field = "tools" if parsed.tools.active and parsed.options.grammar is None and \
                     parsed.options.json_schema is None else "grammar" if parsed.options.grammar is not None \
                     else "response_format"
                 raise APIError(400, str(e), param=field) from None
+            if isinstance(e, edgeinfer.ContextLengthError):  # the prompt's own field, by route
+                raise APIError(400, str(e), code="context_length_exceeded",
+                               param="messages" if parsed.kind == "chat" else "prompt") from None
             raise from_library_error(e) from None
         except BaseException:
             release()
             raise
-        answer = reply(ReplyContext(parsed, engine.name, engine.token_bytes, len(tokens), loaded - started, started))
+        answer = reply(ReplyContext(parsed, engine.name, engine.token_bytes, n_prompt, loaded - started, started))
         if parsed.stream:
             def close() -> None:
                 gen.close()  # a client gone mid-stream cancels the request: its slot is free at the next step
@@ -367,6 +328,10 @@ class _Service:
         except edgeinfer.EdgeInferError as e:
             for piece in reply.failure(APIError(500, str(e), type="server_error")):
                 yield piece
+        except APIError as e:  # an event that cannot be written (a NaN: finite_json): the stream ends with it
+            gen.cancel()
+            for piece in reply.failure(e):
+                yield piece
         finally:
             watcher.cancel()
 
@@ -391,16 +356,26 @@ class _Service:
 
     async def health(self, request: Request) -> Response:
         # Liveness for anyone (load balancers, probes); the rest only with the key, when there is one.
+        # On the event loop, with no worker thread: it answers while every thread is busy (the
+        # service's locks guard bookkeeping only).
+        health = self.models.health()
+        status, code = ("ok", 200) if health.ok else ("degraded", 503)
         if not check_credentials(self.config, request.headers.get("authorization")):
-            return JSONResponse({"status": "ok"})
-        held = await run_in_threadpool(self.models.ps)
-        default = await run_in_threadpool(lambda: self.models.plan(None) if self.models.default_name else None)
+            return JSONResponse({"status": status}, status_code=code)
+        held = self.models.ps()
+        default = next((s for s in held if s.path == self.models.default_key), None)
+        name, slots = (default.name, default.parallel) if default is not None else (None, 0)
+        if default is None and self.models.default_key is not None:  # not loaded now: its plan (a stat)
+            plan = await run_in_threadpool(self.models.plan, None)
+            name, slots = plan.name, plan.parallel
         return JSONResponse({
-            "status": "ok", "model": default.name if default else None, "slots": default.parallel if default else 0,
+            "status": status, "model": name, "slots": slots,
             "slots_busy": sum(s.slots_busy for s in held), "queue_depth": sum(s.queue_depth for s in held),
             "calibrating": any(s.calibrating for s in held),
+            **({"problems": list(health.problems)} if health.problems else {}),
             "models": [{"model": s.name, "state": s.state, "slots": s.parallel, "slots_busy": s.slots_busy,
-                        "queue_depth": s.queue_depth, "calibrating": s.calibrating} for s in held]})
+                        "queue_depth": s.queue_depth, "calibrating": s.calibrating} for s in held]},
+            status_code=code)
 
     async def metrics(self, request: Request) -> Response:
         engines = [(e.name, e.metrics()) for e in self.models.engines()]
@@ -412,7 +387,8 @@ class _Service:
 
     async def stop(self, request: Request) -> Response:
         body = await self.read_json(request)
-        return JSONResponse(await run_in_threadpool(stop_model, self.models, body))
+        result = await run_in_threadpool(stop_model, self.models, body)  # DEFAULT_STOP_TIMEOUT at most
+        return JSONResponse(result, status_code=200 if result["stopped"] else 202)
 
 
 async def _events(gen, wake: asyncio.Event, keepalive_s: float | None) -> AsyncIterator[list]:
@@ -485,7 +461,9 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
             status, f"no route {request.method} {request.url.path}",
             code="not_found" if status == 404 else "method_not_allowed"))
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
-                     middleware=[Middleware(_AccessLog),
-                                 Middleware(BrowserGuard, config=config,
-                                            render=lambda path, e: shape_for_path(path).render(e))])
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
+                    middleware=[Middleware(_AccessLog),
+                                Middleware(BrowserGuard, config=config,
+                                           render=lambda path, e: shape_for_path(path).render(e))])
+    app.state.cancel_all = service.cancel_all  # at shutdown, after the grace (server/run.py)
+    return app

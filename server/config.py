@@ -9,9 +9,11 @@ import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import edgeinfer
+from edgeinfer.service import DEFAULT_SLOT_QUOTA
 
 __all__ = ["ServerConfig", "is_loopback", "check_credentials", "host_allowed", "normalize_origin"]
 
@@ -71,6 +73,14 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request's head must arrive within this of its first byte
     body_timeout_s: float = 30.0  # ... and its body within this of its head
     stall_timeout_s: float = 30.0  # a client that reads none of its response for this long is dropped
+    # CPU-heavy steps (server/work.py): from its arrival, a tokenizer call, a chat template, an
+    # embeddings call gets this long, then a 503; one embeddings call embeds at most this many tokens.
+    work_timeout_s: float = 300.0  # (6 x 1,024 tokens embedded in 130 s on the default model at a load of 20)
+    max_embed_tokens: int = 32768
+    # Slot files (POST /slots/{id}?action=save|restore, server/slots.py): a folder the operator
+    # gives (llama-server's --slot-save-path; None: the actions are off), and the bytes they may take.
+    slot_save_path: Path | None = None
+    slot_quota: int = DEFAULT_SLOT_QUOTA
 
     def validate(self) -> ServerConfig:
         if not is_loopback(self.host) and not self.api_key:
@@ -90,7 +100,16 @@ class ServerConfig:
             raise edgeinfer.InvalidOptionError(f"max_queue must be at least 0, got {self.max_queue}")
         if self.max_connections < 1:
             raise edgeinfer.InvalidOptionError(f"max_connections must be at least 1, got {self.max_connections}")
-        for name in ("shutdown_grace_s", "keepalive_s", "header_timeout_s", "body_timeout_s", "stall_timeout_s"):
+        if self.slot_save_path is not None and not Path(self.slot_save_path).is_dir():
+            raise edgeinfer.InvalidOptionError(f"the slot folder {self.slot_save_path} is not a directory "
+                                               "(--slot-save-path)")
+        if isinstance(self.slot_quota, bool) or not isinstance(self.slot_quota, int) or self.slot_quota < 1:
+            raise edgeinfer.InvalidOptionError(f"slot_quota must be a positive number of bytes, got {self.slot_quota!r}")
+        if isinstance(self.max_embed_tokens, bool) or not isinstance(self.max_embed_tokens, int) \
+                or not 1 <= self.max_embed_tokens < 1 << 31:
+            raise edgeinfer.InvalidOptionError(f"max_embed_tokens must be a positive integer, got {self.max_embed_tokens!r}")
+        for name in ("shutdown_grace_s", "keepalive_s", "header_timeout_s", "body_timeout_s", "stall_timeout_s",
+                     "work_timeout_s"):
             v = getattr(self, name)
             zero_ok = name == "shutdown_grace_s"
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \

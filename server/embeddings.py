@@ -10,9 +10,14 @@ overrides the model's rule), `prompt_name` (a prompt the model declares, e.g. Qw
 `keep_alive` (as for generation: server/routing.py). The request is routed by its `model`.
 Parsing is strict: an unknown field, a wrong type or an empty input is a 400 that names it.
 
-The vectors are computed in a worker thread (the engine's embedder serializes calls on a context
-of its own, beside the generation slots); a client that disconnects cancels its request between
-two decodes.
+The vectors are computed and encoded in the app's embedding pool (server/work.py: its own threads,
+--max-queue waiting, --work-timeout from arrival), never on the event loop nor in the threads the
+other routes use; a model's embeddings requests count against --max-queue as its generation
+requests do (one runs at a time: the engine's embedder serializes calls on a context of its own,
+beside the generation slots). A request embeds at most --max-embed-tokens tokens, all inputs
+together (a 400 before any decode). A client that disconnects, a timeout and the server's shutdown
+stop the call between two decodes. The JSON is written a vector at a time, so that encoding 2,048
+vectors never holds the interpreter for long.
 """
 
 from __future__ import annotations
@@ -23,20 +28,21 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
+import numpy as np
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 import edgeinfer
 
 from .errors import APIError, from_library_error
-from .routing import acquire, keep_alive_field, on_disconnect
+from .routing import acquire, keep_alive_field, on_disconnect, plan_for
 
 __all__ = ["EmbeddingsRequest", "parse_embeddings", "embeddings_body", "handle_embeddings", "run_embeddings",
-           "MAX_INPUTS"]
+           "vectors_json", "MAX_INPUTS"]
 
 MAX_INPUTS = 2048  # inputs per request, as OpenAI's API
 _FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "pooling", "normalize", "prompt_name", "truncate",
@@ -126,16 +132,24 @@ def parse_embeddings(body: Any) -> EmbeddingsRequest:
     return EmbeddingsRequest(model, _inputs(body["input"]), options, fmt == "base64")
 
 
+def _vector(v: np.ndarray, as_base64: bool) -> str:
+    if as_base64:  # little-endian float32, as OpenAI's base64 format
+        return json.dumps(base64.b64encode(v.astype("<f4").tobytes()).decode("ascii"))
+    return json.dumps(v.tolist(), allow_nan=False)  # (the embedder refuses non-finite vectors already)
+
+
+def vectors_json(vectors: np.ndarray) -> str:
+    """`[[...], [...]]`, written a vector at a time (one json.dumps of all of them holds the GIL,
+    and so the event loop, for as long as it takes)."""
+    return "[" + ",".join(_vector(v, False) for v in vectors) + "]"
+
+
 def embeddings_body(result: Any, model: str, as_base64: bool) -> bytes:
-    """The response JSON (OpenAI's list of embedding objects with usage), encoded."""
-    vectors = result.vectors
-    if as_base64:
-        items = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
-    else:
-        items = vectors.tolist()
-    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(items)]
-    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    return json.dumps({"object": "list", "data": data, "model": model, "usage": usage}).encode()
+    """The response JSON (OpenAI's list of embedding objects with usage), encoded a vector at a time."""
+    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{_vector(v, as_base64)}}}'
+                    for i, v in enumerate(result.vectors))
+    usage = json.dumps({"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens})
+    return f'{{"object":"list","data":[{data}],"model":{json.dumps(model)},"usage":{usage}}}'.encode()
 
 
 async def handle_embeddings(service: Any, request: Request) -> Response:
@@ -149,27 +163,45 @@ async def handle_embeddings(service: Any, request: Request) -> Response:
 
 async def run_embeddings(service: Any, request: Request, parsed: EmbeddingsRequest, keep_alive: float | None,
                          body: Callable[[edgeinfer.EmbeddingResult, str, float], bytes]) -> Response:
-    """The one embeddings path (OpenAI's route and Ollama's): the model leased, the vectors computed
-    in a worker thread, `body(result, model name, seconds waiting for the model)` encoded there too."""
-    started = time.perf_counter()
-    lease = await acquire(service.models, parsed.model, keep_alive, request)
+    """The one embeddings path (OpenAI's route and Ollama's): admitted by --max-queue, the model
+    leased, the vectors computed and `body(result, model name, seconds waiting for the model)`
+    encoded in the app's embedding pool (see the module)."""
+    plan = await plan_for(service.models, parsed.model)
+    admitted = service.admit(plan, "embeddings")
+    try:
+        started = time.perf_counter()
+        lease = await acquire(service.models, parsed.model, keep_alive, request)
+    except BaseException:
+        admitted()
+        raise
     load_s = time.perf_counter() - started
     engine = lease.engine
-    cancel = threading.Event()
-    watcher = asyncio.create_task(on_disconnect(request, cancel.set))
+    gone = threading.Event()
+    watcher = asyncio.create_task(on_disconnect(request, gone.set))
     inputs = [x if isinstance(x, str) else list(x) for x in parsed.inputs]
+    options = replace(parsed.options, max_total_tokens=service.config.max_embed_tokens)
+
+    def work(cancel: threading.Event) -> bytes:
+        result = engine.embed(inputs, options, cancel=lambda: cancel.is_set() or gone.is_set())
+        return body(result, engine.name, load_s)
+
     try:
-        result = await run_in_threadpool(lambda: engine.embed(inputs, parsed.options, cancel=cancel))
-        content = await run_in_threadpool(body, result, engine.name, load_s)
+        content = await service.embedding.run(work, "embeddings requests")
     except edgeinfer.Cancelled:
-        return Response(status_code=_CLIENT_GONE)
+        if gone.is_set():
+            return Response(status_code=_CLIENT_GONE)
+        raise APIError(503, "the embeddings request was cancelled: the server is shutting down", type="server_error",
+                       code="unavailable", headers={"Retry-After": "1"}) from None
     except edgeinfer.ContextLengthError as e:
-        raise APIError(400, str(e), code="context_length_exceeded", param="input") from None
+        raise APIError(400, f"{e} (--max-embed-tokens)" if "one call may embed" in str(e) else str(e),
+                       code="context_length_exceeded", param="input") from None
     except edgeinfer.EngineClosedError:
-        raise APIError(503, "the server is shutting down", type="server_error", code="unavailable") from None
+        what = "the server is shutting down" if service.models.closed else f"{engine.name} was unloaded"
+        raise APIError(503, what, type="server_error", code="unavailable", headers={"Retry-After": "1"}) from None
     except edgeinfer.EdgeInferError as e:
         raise from_library_error(e) from None
     finally:
         watcher.cancel()
         lease.release()
+        admitted()
     return Response(content, media_type="application/json")

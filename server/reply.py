@@ -11,16 +11,16 @@ admit, lease, tokenize, submit, drain); only the reply differs:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 
 from .errors import APIError
+from .finite_json import JSONResponse, dumps
 from .protocol import ParsedRequest, Responder
 
 __all__ = ["Reply", "ReplyContext", "ReplyFactory", "OpenAIReply", "sse"]
@@ -59,7 +59,7 @@ ReplyFactory = Callable[[ReplyContext], Reply]
 
 def sse(obj: Any, event: str | None = None) -> str:
     """One server-sent event: `data: JSON` (after `event: NAME` when named)."""
-    data = f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    data = f"data: {dumps(obj, ensure_ascii=False)}\n\n"  # (never a bare NaN: finite_json)
     return f"event: {event}\n{data}" if event else data
 
 

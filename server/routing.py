@@ -9,7 +9,9 @@ a negative value keeps it for ever) sets how long the model stays once idle, as 
 Admin routes (behind the same API-key check as every route but /health, and the same Host and
 Origin checks): `GET /edgeinfer/ps` lists the models held, with their estimated memory by part,
 slots, idle time and expiry, beside the server process's own resident memory; `POST
-/edgeinfer/stop` with {"model": NAME} unloads one now, cancelling its running requests.
+/edgeinfer/stop` with {"model": NAME} unloads one now, cancelling its running requests (200; 202
+with "stopped": false when the unload takes longer than DEFAULT_STOP_TIMEOUT: it goes on, and the
+route's worker thread is free again).
 """
 
 from __future__ import annotations
@@ -155,4 +157,8 @@ def stop_model(service: ModelService, body: Any) -> dict[str, Any]:
         raise APIError(404, str(e), code="model_not_loaded", param="model") from None
     except edgeinfer.EdgeInferError as e:
         raise from_library_error(e) from None
-    return {"model": result.name, "stopped": True, "cancelled": result.cancelled}
+    out: dict[str, Any] = {"model": result.name, "stopped": result.stopped, "cancelled": result.cancelled}
+    if not result.stopped:
+        out["message"] = (f"{result.name} is still unloading: it goes on (`edgeinfer ps` shows it until it "
+                          "is gone)")
+    return out

@@ -4,8 +4,9 @@
 so a port in use is one line, not a loaded model followed by uvicorn's own error and exit 3.
 
 On the first Ctrl-C or SIGTERM uvicorn stops accepting connections and lets running responses
-finish; after `shutdown_grace_s` every loaded model cancels whatever still runs, so every open stream ends
-with a final chunk whose finish_reason is "cancelled" rather than a cut connection. `serve` then
+finish; after `shutdown_grace_s` every loaded model cancels whatever still runs (and the server's
+worker pools their embeddings, between two decodes), so every open stream ends with a final chunk
+whose finish_reason is "cancelled" rather than a cut connection. `serve` then
 returns (the signal is not raised again: SIGTERM would kill the process before the caller closes
 the engine). A second Ctrl-C exits at once.
 """
@@ -93,10 +94,12 @@ class _Server(uvicorn.Server):
 
 
 def serve(models: ModelService | edgeinfer.BatchEngine, config: ServerConfig, *, sock: socket.socket | None = None,
-          on_ready: Callable[[str], None] | None = None, log_level: str = "warning") -> None:
+          on_ready: Callable[[str], None] | None = None, on_signal: Callable[[], None] | None = None,
+          log_level: str = "warning") -> None:
     """Serve until Ctrl-C or SIGTERM; the model service (or an engine, served as a service's
     default model) stays the caller's to close. `sock`: a socket from `bind()` (default: bound
-    here). `on_ready` gets the base URL (with the real port when config.port is 0)."""
+    here). `on_ready` gets the base URL (with the real port when config.port is 0); `on_signal`
+    is called at the first Ctrl-C or SIGTERM (the CLI arms its exit deadline there)."""
     config = config.validate()
     if isinstance(models, edgeinfer.BatchEngine):
         models = ModelService.adopt(models)
@@ -104,11 +107,17 @@ def serve(models: ModelService | edgeinfer.BatchEngine, config: ServerConfig, *,
     if sock is None:
         sock = bind(config.host, config.port)
     grace = config.shutdown_grace_s
-    timer = threading.Timer(grace, models.cancel_all)
+    timer = threading.Timer(grace, app.state.cancel_all)
     timer.daemon = True
+
+    def on_exit() -> None:
+        timer.start()
+        if on_signal is not None:
+            on_signal()
+
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, http=protocol_for(config),
                                timeout_graceful_shutdown=int(grace) + 5, lifespan="off")
-    server = _Server(uv_config, timer.start, on_ready)
+    server = _Server(uv_config, on_exit, on_ready)
     try:
         server.run(sockets=[sock])
     finally:

@@ -7,15 +7,19 @@ llama-server does it (its --slot-save-path), with the same body and response sha
 
 An extra body field `model` names the model whose slot it is (default: the server's default).
 
-The files live in the store, `$EDGEINFER_HOME/slots/NAME`, and nowhere else: a name is 1-128
-letters, digits, '.', '_' and '-', starting with a letter or digit, with no '..' (so no path
-separator, no absolute path, no NUL, nothing hidden); a name that is a symbolic link, or that
-resolves outside that folder, is refused. A restored file passes every check of
-edgeinfer.engine.state.session first (this model's hash, its KV types, sizes, hash, layout): one that does
-not is a 400 saying why, and the slot keeps what it had. The work runs on the engine's scheduler
-thread between two steps, on an idle slot only: a slot that runs a request is a 409 (llama-server
-defers the task instead; a client retries). The routes sit behind the API-key check like every
-route but /health.
+As llama-server, the actions are off (501) unless the operator gives a folder: `--slot-save-path
+DIR` (or serve.toml's [slots] path). The files live there, `DIR/NAME`, and nowhere else: a name
+is 1-128 letters, digits, '.', '_' and '-', starting with a letter or digit, with no '..' (so no
+path separator, no absolute path, no NUL, nothing hidden); a name that is a symbolic link, a
+directory or another file that is not a regular one, or that resolves outside that folder, is a
+400 (and the engine opens a file only as a regular one, O_NOFOLLOW | O_NONBLOCK then fstat: a
+FIFO put there cannot block its scheduler). The folder's regular files may take `--slot-quota`
+bytes together: a save that could pass it is refused before anything is written (507). A restored
+file passes every check of edgeinfer.engine.state.session first (this model's hash, its KV types,
+sizes, hash, layout, K/V values that are finite numbers): one that does not is a 400 saying why,
+and the slot keeps what it had. The work runs on the engine's scheduler thread between two steps,
+on an idle slot only: a slot that runs a request is a 409 (llama-server defers the task instead; a
+client retries). The routes sit behind the API-key check like every route but /health.
 """
 
 from __future__ import annotations
@@ -23,24 +27,29 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import stat
+import threading
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 from edgeinfer.fsutil import is_inside
 
 from .errors import APIError, from_library_error
+from .finite_json import JSONResponse
 
-__all__ = ["handle_slots", "check_filename", "slots_dir", "ACTIONS", "MAX_NAME"]
+__all__ = ["handle_slots", "check_filename", "slots_used", "ACTIONS", "MAX_NAME"]
 
 ACTIONS = ("save", "restore", "erase")
 MAX_NAME = 128
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_SAVING = threading.Lock()  # a save's quota check and its write, one save at a time
 
 
 def check_filename(value: Any) -> str:
@@ -55,19 +64,50 @@ def check_filename(value: Any) -> str:
     return value
 
 
-def slots_dir(engine: edgeinfer.BatchEngine) -> Path:
-    """Where slot files live: `slots/` in the engine's store."""
-    return engine.store.root / "slots"
+def slots_used(folder: Path) -> int:
+    """Bytes the regular files of the slot folder take (temporary ones of a save included)."""
+    used = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                used += st.st_size
+    return used
 
 
-def _slot_file(engine: edgeinfer.BatchEngine, name: str) -> Path:
-    folder = slots_dir(engine)
-    folder.mkdir(parents=True, exist_ok=True)
+def _slot_file(folder: Path, name: str, *, saving: bool) -> Path:
     path = folder / name
-    if path.is_symlink() or not is_inside(path, folder):
+    try:
+        mode: int | None = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if (mode is not None and stat.S_ISLNK(mode)) or not is_inside(path, folder):
         raise APIError(400, f"{name} is not a plain file of the slots folder", code="invalid_filename",
                        param="filename")
+    if saving and mode is not None and not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise APIError(400, f"{name} is {kind} in the slots folder: a slot is saved only as a regular file",
+                       code="invalid_filename", param="filename")
     return path
+
+
+def _save(engine: edgeinfer.BatchEngine, slot: int, path: Path, quota: int) -> Any:
+    """(in a worker thread) The save, refused before writing when it could pass the quota."""
+    with _SAVING:
+        used = slots_used(path.parent)
+        kept = path.stat().st_size if path.is_file() and not path.is_symlink() else 0  # replaced by the save
+        room = quota - (used - kept)
+        try:
+            return engine.save_slot(slot, path, max_bytes=room)
+        except edgeinfer.DiskSpaceError as e:
+            if room < shutil.disk_usage(path.parent).free:  # the quota said no, not the disk
+                raise APIError(507, f"{e}: the slot folder's files take {used / 1e6:.1f} MB of its "
+                               f"{quota / 1e6:.1f} MB (--slot-quota); erase some or raise it", type="server_error",
+                               code="insufficient_storage") from None
+            raise
 
 
 def _slot_id(text: str, engine: edgeinfer.BatchEngine) -> int:
@@ -115,7 +155,12 @@ async def _body(service: Any, request: Request, action: str) -> Mapping[str, Any
 
 
 async def handle_slots(service: Any, request: Request) -> Response:
-    """The route; `service` is the app's (its read_json, and its model service or engine)."""
+    """The route; `service` is the app's (its read_json and config, and its model service or engine)."""
+    folder = service.config.slot_save_path
+    if folder is None:  # llama-server's answer, and its flag
+        raise APIError(501, "this server does not save slots: start it with --slot-save-path DIR (or [slots] path in "
+                       "serve.toml)", type="not_supported_error", code="not_supported")
+    folder = Path(folder)
     action = request.query_params.get("action", "")
     if action not in ACTIONS:
         raise APIError(400, f"Invalid action {action[:20]!r}: use ?action=save, restore or erase", code="invalid_action",
@@ -129,9 +174,9 @@ async def handle_slots(service: Any, request: Request) -> Response:
                 n = await run_in_threadpool(engine.erase_slot, slot)
                 return JSONResponse({"id_slot": slot, "n_erased": n})
             assert name is not None
-            path = _slot_file(engine, name)
+            path = _slot_file(folder, name, saving=action == "save")
             if action == "save":
-                info = await run_in_threadpool(engine.save_slot, slot, path)
+                info = await run_in_threadpool(_save, engine, slot, path, service.config.slot_quota)
                 return JSONResponse({"id_slot": slot, "filename": name, "n_saved": info.tokens,
                                      "n_written": info.bytes, "timings": {"save_ms": round(info.seconds * 1e3, 3)}})
             if not os.path.lexists(path):

@@ -43,6 +43,7 @@ class Server:
 
     def __init__(self, model: Path, home: Path, *args: str):
         env = dict(os.environ, EDGEINFER_HOME=str(home))
+        self.home = home
         home.mkdir(parents=True, exist_ok=True)
         link = home / MODEL_FILE
         if not link.exists():

@@ -1,13 +1,19 @@
 """`POST /slots/{id}?action=save|restore|erase` (server/slots.py) over real HTTP: the app under
 uvicorn in this process (so the test can see the engine's slots), driven by the HTTP client the
 openai package ships with. A slot's cache saved, erased and restored; the next request on it reads
-only what is new; names that could leave the store, hostile files, a busy slot and a missing key
-are refused, and nothing is written outside the store's slots folder."""
+only what is new; names that could leave the folder, hostile files (a FIFO, a directory, NaN in
+the K/V values), a busy slot and a missing key are refused, the folder's quota holds, nothing is
+written outside the slot folder (ServerConfig.slot_save_path, as llama-server's --slot-save-path),
+and without one the actions are off."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import math
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +51,8 @@ class LiveApp:
         headers = dict(AUTH if headers is None else headers)
         if body is not None:
             kw["json"] = body
-        return httpx.post(self.url + path, headers=headers, timeout=120, **kw)
+        kw.setdefault("timeout", 120)
+        return httpx.post(self.url + path, headers=headers, **kw)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -65,9 +72,13 @@ def engine(default_model_copy, store_root) -> Iterator[edgeinfer.BatchEngine]:
         yield e
 
 
+QUOTA = 200_000_000  # ServerConfig.slot_quota (--slot-quota; default 4 GiB): some 25 states of this model
+
+
 @pytest.fixture(scope="module")
-def app(engine) -> Iterator[LiveApp]:
-    live = LiveApp(engine, ServerConfig(port=0, api_key=KEY))
+def app(engine, store_root) -> Iterator[LiveApp]:
+    (store_root / "slots").mkdir(parents=True, exist_ok=True)
+    live = LiveApp(engine, ServerConfig(port=0, api_key=KEY, slot_save_path=store_root / "slots", slot_quota=QUOTA))
     yield live
     live.stop()
 
@@ -197,3 +208,136 @@ def test_a_busy_slot_is_409(app, engine):
     assert engine.metrics().slots[busy].busy
     held.cancel()
     assert held.result().finish_reason == "cancelled"  # it was still running: the 409s were for a busy slot
+
+
+# -- issue 45: slot files as llama-server does them ---------------------------------------------------
+
+
+def test_slot_actions_are_off_without_a_folder(engine, store_root):
+    """As llama-server without --slot-save-path: every action is a 501 saying how to turn them on,
+    and nothing is written (the store's folder was the default before)."""
+    off = LiveApp(engine, ServerConfig(port=0, api_key=KEY))
+    try:
+        before = sorted(os.listdir(store_root))
+        for action, body in (("save", {"filename": "x.bin"}), ("restore", {"filename": "fruit.bin"}), ("erase", {})):
+            r = off.post(f"/slots/0?action={action}", body)
+            assert r.status_code == 501 and r.json()["error"]["code"] == "not_supported", (action, r.text)
+            assert "--slot-save-path" in r.json()["error"]["message"]
+        assert sorted(os.listdir(store_root)) == before
+    finally:
+        off.stop()
+
+
+def test_a_fifo_or_a_directory_in_the_folder_is_a_400_and_blocks_nothing(app, engine, store_root):
+    """A FIFO placed in the folder used to block the model's scheduler in open() (before the
+    regular-file check); saving to a name that is a directory was a 500. Both are 400s now, at
+    once, and the next request is served."""
+    folder = store_root / "slots"
+    os.mkfifo(folder / "pipe.bin")
+    (folder / "dir.bin").mkdir()
+    try:
+        for action, name, why in (("restore", "pipe.bin", "not a regular file"), ("save", "pipe.bin", "not a regular"),
+                                  ("save", "dir.bin", "a directory"), ("restore", "dir.bin", "not a regular file")):
+            r = app.post(f"/slots/0?action={action}", {"filename": name}, timeout=30)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], (action, name, r.text)
+        assert _chat(app, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        (folder / "pipe.bin").unlink()
+        (folder / "dir.bin").rmdir()
+
+
+def _with_nan(data: bytes) -> bytes:
+    """A saved state whose first K value is a NaN (float16 0x7E00), its hashes recomputed: only the
+    check of the values can tell (as a forger would make it)."""
+    from edgeinfer.engine.state.file_format import learn_layout, parse_state
+
+    (length,) = struct.unpack_from("<I", data, len(data) - 12)
+    trailer = json.loads(data[len(data) - 12 - length: len(data) - 12])
+    ggsq = trailer["state_bytes"]
+    n = trailer["n_tokens"]
+    start = 12 + 4 * n
+    layout = learn_layout(memoryview(data), start, ggsq, n)
+    assert layout.k[0][0] == 1  # an F16 K cache (the engine's default)
+    state = parse_state(memoryview(data), start, ggsq, n, ext=layout.cell_ext)
+    first_k = state.payload_at + n * layout.cell_bytes + 8 + 12  # after the cells, v_trans/n_layer, the K header
+    body = bytearray(data[:ggsq])
+    body[first_k: first_k + 2] = struct.pack("<e", float("nan"))
+    trailer["state_sha256"] = hashlib.sha256(body).hexdigest()
+    raw = json.dumps(trailer, ensure_ascii=True).encode()
+    assert len(raw) == length
+    return bytes(body) + raw + data[len(data) - 12:]
+
+
+def test_a_state_whose_values_are_not_finite_is_refused(app, engine, store_root):
+    """A state file with NaN in its K/V bytes (hashes recomputed) used to restore with 200, and a
+    `logprobs` reply then failed with a 500 (a stream would have carried a bare NaN)."""
+    _chat(app)
+    slot = _slot_with(engine, 100)
+    assert app.post(f"/slots/{slot}?action=save", {"filename": "finite.bin"}).status_code == 200
+    folder = store_root / "slots"
+    (folder / "nan.bin").write_bytes(_with_nan((folder / "finite.bin").read_bytes()))
+    held = engine.metrics().slots[slot].cached_tokens
+    r = app.post(f"/slots/{slot}?action=restore", {"filename": "nan.bin"})
+    assert r.status_code == 400 and "not finite" in r.json()["error"]["message"], r.text
+    assert engine.metrics().slots[slot].cached_tokens == held
+    assert app.post(f"/slots/{slot}?action=restore", {"filename": "finite.bin"}).status_code == 200
+    for name in ("nan.bin", "finite.bin"):
+        (folder / name).unlink()
+
+
+def test_the_folder_quota_refuses_a_save_before_writing(app, engine, store_root):
+    """60 saves with new names used to write 877 MB in 1.8 s (the free-space check looked at one
+    file at a time). The folder's regular files may take the quota together: a save that could pass
+    it is a 507 naming --slot-quota, and nothing is written."""
+    from edgeinfer_server.slots import slots_used
+
+    _chat(app)
+    slot = _slot_with(engine, 100)
+    folder = store_root / "slots"
+    ballast = folder / "ballast.bin"
+    with open(ballast, "wb") as f:  # (sparse: its size counts, no disk is used)
+        f.truncate(QUOTA - slots_used(folder) - 100_000)
+    try:
+        before = sorted(os.listdir(folder))
+        r = app.post(f"/slots/{slot}?action=save", {"filename": "over.bin"})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", r.text
+        assert "--slot-quota" in r.json()["error"]["message"]
+        assert sorted(os.listdir(folder)) == before and slots_used(folder) <= QUOTA
+    finally:
+        ballast.unlink()
+    r = app.post(f"/slots/{slot}?action=save", {"filename": "over.bin"})
+    assert r.status_code == 200 and slots_used(folder) <= QUOTA
+    (folder / "over.bin").unlink()
+
+
+
+def test_a_reply_never_carries_a_nan(app, engine, monkeypatch):
+    """JSON never carries NaN or infinity (server/finite_json.py). A K value that was NaN (a state
+    restored before the check above) made a `logprobs` reply a bare 500 (Starlette's "Out of range
+    float values are not JSON compliant") and a stream carry a bare `NaN` no client parses. A NaN
+    cache cannot reach a reply any more (its model samples its end-of-text token, whose logprob is
+    never sent), so the test makes the engine's logprobs NaN where they are computed: the whole
+    reply is a 500 naming the field (code non_finite_value), the stream ends with that error
+    event, neither holds a NaN, and the next request is served."""
+    from edgeinfer.engine.core import request as request_module
+
+    computed = request_module.RequestState._event
+
+    def nan_logprobs(self, *args):
+        event = computed(self, *args)
+        return dataclasses.replace(event, logprob=math.nan) if hasattr(event, "logprob") else event
+
+    monkeypatch.setattr(request_module.RequestState, "_event", nan_logprobs)
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0, "logprobs": True}
+    r = app.post("/v1/chat/completions", body)
+    assert r.status_code == 500 and "NaN" not in r.text.replace("(NaN or infinity)", ""), r.text
+    error = r.json()["error"]
+    assert error["code"] == "non_finite_value" and "logprobs" in error["message"], r.text
+    with httpx.stream("POST", app.url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as s:
+        text = "".join(s.iter_text())
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert events and events[-1]["error"]["code"] == "non_finite_value", text
+    assert "NaN" not in text.replace("(NaN or infinity)", ""), text
+    monkeypatch.undo()
+    assert _chat(app, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")

@@ -309,7 +309,7 @@ def test_hostile_trailers_and_files_are_refused_without_reading_them(saved, engi
     _refused(engine, path, caplog, "not an edgeinfer state file")
     directory = tmp_path / "a-directory.kv"
     directory.mkdir()
-    _refused(engine, directory, caplog, "cannot read")
+    _refused(engine, directory, caplog, "not a regular file")
     _refused(engine, tmp_path / "missing.kv", caplog, "cannot read")
 
 

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,9 @@ __all__ = ["register"]
 
 MISSING_SERVE = "the server needs starlette and uvicorn: pip install 'edgeinfer[serve]'"
 API_KEY_ENV = "EDGEINFER_API_KEY"
+# After Ctrl-C or SIGTERM the process exits within --grace and this many seconds more, whatever
+# is stuck (a llama.cpp call cannot be interrupted: a long prompt's decode, a model's unload).
+SHUTDOWN_MARGIN = 10.0
 
 
 def _seconds(text: str) -> float:
@@ -56,13 +60,23 @@ def _size(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _quota(text: str) -> int:
+    from edgeinfer import InvalidOptionError
+    from edgeinfer.service import parse_size
+
+    try:
+        return parse_size(text, "--slot-quota")
+    except InvalidOptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     import edgeinfer
-    from edgeinfer.service import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED
+    from edgeinfer.service import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED, DEFAULT_SLOT_QUOTA
 
     batch_defaults, load_defaults = edgeinfer.BatchOptions(), edgeinfer.DEFAULT_LOAD  # the library's defaults
     p = sub.add_parser(
@@ -143,8 +157,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--stall-timeout", type=_seconds, default=30.0, metavar="S",
                      help="seconds a client may read nothing of its response before it is disconnected and "
                      "its request cancelled (default 30)")
+    lim.add_argument("--work-timeout", type=_seconds, default=300.0, metavar="S",
+                     help="seconds a CPU-heavy step may take from its arrival — tokenizing a prompt, a chat "
+                     "template, an embeddings call — before the request gets 503 (default 300)")
+    lim.add_argument("--max-embed-tokens", type=int_range(1, (1 << 31) - 1), default=32768, metavar="N",
+                     help="tokens one embeddings request may embed, all its inputs together (default 32768); "
+                     "more is a 400 before any work")
+    slots = p.add_argument_group("slot files (llama-server's)")
+    slots.add_argument("--slot-save-path", metavar="DIR",
+                       help="a folder for POST /slots/{id}?action=save|restore (made if missing); without it (or "
+                       "[slots] path in serve.toml) slot actions answer 501")
+    slots.add_argument("--slot-quota", type=_quota, metavar="SIZE",
+                       help="the most the slot folder's files may take together, e.g. 2G (default: serve.toml's, "
+                       f"else {DEFAULT_SLOT_QUOTA / (1 << 30):g}GiB); a save that could pass it is a 507")
     lim.add_argument("--grace", type=float, default=5.0,
-                     help="seconds running requests may finish after Ctrl-C or SIGTERM before they are cancelled")
+                     help="seconds running requests may finish after Ctrl-C or SIGTERM before they are cancelled; "
+                     f"the process exits at most {SHUTDOWN_MARGIN:g} s later, whatever is stuck (exit status 1 then)")
     p.set_defaults(func=serve)
 
 
@@ -236,6 +264,21 @@ def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 -
                                     models=tables, default_settings=flags).validate()
 
 
+def _slot_settings(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 - edgeinfer types
+    """The slot folder (made now if missing; None: off) and quota: the flags over serve.toml's [slots]."""
+    import edgeinfer
+    from edgeinfer.service import DEFAULT_SLOT_QUOTA, SETTINGS_FILE, read_slot_settings
+
+    table = read_slot_settings(store.root / SETTINGS_FILE)
+    folder = Path(args.slot_save_path).expanduser() if args.slot_save_path else table.path
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise edgeinfer.InvalidOptionError(f"cannot make the slot folder {folder}: {e.strerror or e}") from None
+    return folder, args.slot_quota or table.quota or DEFAULT_SLOT_QUOTA
+
+
 def _preload(service, model):  # noqa: ANN001, ANN202 - edgeinfer types
     """Load a model at start (the default one: None); a context split too small names the flags."""
     import edgeinfer
@@ -256,6 +299,27 @@ def _preload(service, model):  # noqa: ANN001, ANN202 - edgeinfer types
     return status
 
 
+class _ExitDeadline:
+    """Once armed (the first Ctrl-C or SIGTERM), the process ends by `seconds` from then: a
+    shutdown that is not done by then (a thread stuck in llama.cpp, an unload) is cut short with
+    exit status 1 and one line saying so."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.seconds, self._exit)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _exit(self) -> None:
+        print(f"edgeinfer: the server did not stop within {self.seconds:g} s of the signal (--grace + "
+              f"{SHUTDOWN_MARGIN:g} s): exiting now", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def serve(args: argparse.Namespace) -> int:
     import edgeinfer
 
@@ -264,15 +328,18 @@ def serve(args: argparse.Namespace) -> int:
         raise edgeinfer.EdgeInferError(MISSING_SERVE)
     import edgeinfer_server
 
+    slot_folder, slot_quota = _slot_settings(args, edgeinfer.Store())
     config = edgeinfer_server.ServerConfig(
         host=args.host, port=args.port, api_key=api_key(args), max_body_bytes=args.max_body,
         max_tokens_limit=args.max_tokens_limit, shutdown_grace_s=args.grace,
         allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origins, max_queue=args.max_queue,
         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
+        body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout, work_timeout_s=args.work_timeout,
+        max_embed_tokens=args.max_embed_tokens, slot_save_path=slot_folder, slot_quota=slot_quota,
     ).validate()  # a refused option is a one-line error before the model loads
     options = _service_options(args, edgeinfer.Store())  # a bad flag or serve.toml: an error before loading
     sock = edgeinfer_server.bind(config.host, config.port)  # ... and so is a port in use
+    deadline = _ExitDeadline(config.shutdown_grace_s + SHUTDOWN_MARGIN)
     try:
         service = edgeinfer.ModelService(options, progress=_say_progress)
         try:
@@ -289,11 +356,11 @@ def serve(args: argparse.Namespace) -> int:
                       file=sys.stderr, flush=True)
 
             with _server_log_to_stderr():
-                edgeinfer_server.serve(service, config, sock=sock, on_ready=ready)
-        except KeyboardInterrupt:
-            pass  # a Ctrl-C outside uvicorn's handling (before it started): stop as well
+                edgeinfer_server.serve(service, config, sock=sock, on_ready=ready, on_signal=deadline.arm)
+        except KeyboardInterrupt:  # a Ctrl-C outside uvicorn's handling (before it started): stop as well
+            deadline.arm()
         finally:
-            service.close()
+            service.close(timeout=SHUTDOWN_MARGIN)
     finally:
         sock.close()
     print("edgeinfer: server stopped", file=sys.stderr)

@@ -31,9 +31,15 @@ The context starts at `min(max_tokens, 512)` tokens (llama.cpp's default physica
 grows, doubling, to fit the longest input of a call, up to `max_tokens`: llama.cpp computes the
 output layer for every token of an embedding batch, so its buffers grow with the vocabulary times
 the batch (about 2 × 4 × n_vocab bytes per token), and short texts should not pay for long ones.
+A context grown past the first size is freed when its call ends: measured on the default model
+(n_vocab 49,152), a 1,024-token context holds a 202 MiB compute buffer (the output layer's n_vocab
+× 1,024 floats) and a 22.5 MiB KV cache beside its 49 MiB of outputs — the ~230 MB that used to
+stay after one long input; the 512-token one (101 + 11 + 49 MiB) is kept for the next call.
+`EmbedOptions.max_total_tokens` bounds a call's work (all its inputs' tokens) before it runs.
 
 Thread safety: `embed` may be called from any thread; calls are serialized by a lock (one
-context). Close the Embedder before the runtime whose model it uses.
+context). `close()` stops a call under way between two decodes (EngineClosedError). Close the
+Embedder before the runtime whose model it uses.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class EmbedOptions:
     truncate: bool = False  # cut inputs longer than the context instead of refusing them
     prompt_name: str | None = None  # a prompt the model declares, e.g. "query"
     prompt: str | None = None  # a literal prefix for every text (not with prompt_name)
+    max_total_tokens: int | None = None  # the most tokens one call embeds, all inputs together (None: no bound)
 
     def validate(self) -> EmbedOptions:
         if self.pooling is not None:
@@ -121,6 +128,8 @@ class EmbedOptions:
             raise InvalidOptionError("prompt_name must not be empty")
         if self.prompt_name is not None and self.prompt is not None:
             raise InvalidOptionError("give either prompt_name or prompt, not both")
+        if self.max_total_tokens is not None:
+            _check_int("max_total_tokens", self.max_total_tokens, 1)
         return self
 
 
@@ -185,6 +194,7 @@ class Embedder:
         self._ctx_pooling: str | None = None
         self._ctx_seqs = 0
         self._closed = False
+        self._closing = False  # close() was called: a call under way stops at its next decode
         model = runtime.model
         self.arch = self._meta("general.architecture") or "?"
         self.dimensions = int(self._ll.llama_model_n_embd_out(model))
@@ -255,11 +265,19 @@ class Embedder:
         tokens, truncated = self._tokenize(inputs, plan.prefix, options.truncate)
         if not tokens:
             return EmbeddingResult(np.zeros((0, plan.dimensions), np.float32), (), (), plan.pooling, plan.normalize)
+        total = sum(len(t) for t in tokens)
+        if options.max_total_tokens is not None and total > options.max_total_tokens:
+            raise ContextLengthError(f"the inputs hold {total} tokens, more than the {options.max_total_tokens} one "
+                                     "call may embed: send fewer or shorter inputs at a time")
         with self._lock:
             if self.closed:
                 raise EngineClosedError(f"{self._rt.path.name}: this model was closed")
             self._ensure_context(plan.pooling, max(len(t) for t in tokens))
-            pooled = self._run(tokens, cancel)
+            try:
+                pooled = self._run(tokens, cancel)
+            finally:
+                if self._ctx_tokens > min(self.max_tokens, DEFAULT_EMBED_CTX):
+                    self._free()  # a context grown for long inputs gives its memory back (see the module)
         vectors = pooled[:, : plan.dimensions]
         if not np.isfinite(vectors).all():
             bad = int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])
@@ -378,6 +396,8 @@ class Embedder:
 
     def _decode(self, group: list[int], tokens: list[list[int]], out: np.ndarray, cancel: CancelToken) -> None:
         raise_if_cancelled(cancel, "embedding cancelled")
+        if self._closing:
+            raise EngineClosedError(f"{self._rt.path.name}: this model was closed while it embedded")
         ll, context = self._ll, self._context
         assert context is not None
         ll.llama_memory_clear(context.memory, True)
@@ -402,7 +422,9 @@ class Embedder:
         self._ctx_pooling = None
 
     def close(self) -> None:
-        """Free the context (before the runtime's model is freed); later calls raise EngineClosedError."""
+        """Free the context (before the runtime's model is freed); later calls raise EngineClosedError,
+        and a call under way stops at its next decode."""
+        self._closing = True
         with self._lock:
             self._closed = True
             self._free()

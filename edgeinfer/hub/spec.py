@@ -39,9 +39,9 @@ SOURCE_FILES = (
 )
 DEFAULT_QUANT = "Q4_K_M"
 
-COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-ETAG_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
-_REPO_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+COMMIT_RE = re.compile(r"[0-9a-f]{40}\Z")  # \Z, not $: no trailing newline
+ETAG_RE = re.compile(r"(?:[0-9a-f]{40}|[0-9a-f]{64})\Z")
+_REPO_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}\Z")
 _SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$", re.IGNORECASE)
 _TAG_RE = re.compile(r"[-.]([A-Za-z0-9_]+)$")
 _NOT_A_MODEL = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-")
@@ -92,7 +92,7 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
             s = s[len(prefix) :]
     repo, _, tag = s.partition(":")
     repo = repo.rstrip("/")
-    if tag and not re.match(r"^[A-Za-z0-9_.-]{1,32}$", tag):
+    if tag and not re.match(r"[A-Za-z0-9_.-]{1,32}\Z", tag):
         raise InvalidOptionError(f"invalid quant tag {tag!r} in {spec!r}")
     return check_repo_id(repo), (tag or None)
 

@@ -9,22 +9,24 @@ countdown (Ollama's `keep_alive`: 0 unloads it at once, a negative value keeps i
 Concurrency. One lock guards the bookkeeping only. Loads run in the requesting thread, outside
 the lock, so loads of different models proceed at once and a request for a loaded model never
 waits for another model's load; requests for a model being loaded wait for that load only.
-Unloads by keep-alive (and keep_alive 0) run on the service's janitor thread, never in the
-releasing thread (a server releases from its event loop). `stop(name)` unloads at once and
-cancels the model's running requests (each ends with finish_reason "cancelled"). A request that is
-cancelled (its client gone: `acquire(cancel=)`) stops waiting at once and evicts nothing, and a
-load that no request waits for any more is cancelled (between its stages, and within a self-draft's
-quantization).
+Unloads by keep-alive (and keep_alive 0) are started by the service's janitor thread, never in
+the releasing thread (a server releases from its event loop), each unload in a thread of its own.
+`stop(name)` unloads at once and cancels the model's running requests (each ends with
+finish_reason "cancelled"), waiting DEFAULT_STOP_TIMEOUT seconds at most. Durations longer than
+MAX_DURATION (a year) are clamped to it. `health()` names a model whose unload is stuck. A request
+that is cancelled (its client gone: `acquire(cancel=)`) stops waiting at once and evicts nothing,
+and a load that no request waits for any more is cancelled (between its stages, and within a
+self-draft's quantization).
 
     service.py   ModelService: names, plans, leases, loads, stop, ps, catalog, close
     names.py     what a request's model name means; each model file's settings
-    settings.py  ServiceOptions, per-model settings, serve.toml checked by hand
+    settings.py  ServiceOptions, per-model settings, serve.toml checked by hand (also its [slots])
     units.py     durations (keep_alive) and sizes (--max-memory) as people write them
     memory.py    a model's plan and its memory estimate, by part
     registry.py  the models held, under one lock: room by count and memory, eviction, release, unload
     leases.py    a request's hold on a loaded model
     janitor.py   the thread that unloads models whose keep-alive ran out
-    status.py    what the service reports (ps, catalog, stop)
+    status.py    what the service reports (ps, catalog, stop, health)
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from __future__ import annotations
 from .leases import Lease
 from .memory import MemoryParts, ModelPlan
 from .registry import NoRoomError
-from .service import Loader, ModelNotLoadedError, ModelService, ModelTooLargeError
-from .settings import (DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED, DEFAULT_ROOM_WAIT, SETTINGS_FILE, ModelSettings,
-                       ServiceOptions, read_settings_file)
-from .status import CatalogEntry, ModelStatus, StopResult
-from .units import parse_duration, parse_size
+from .service import (DEFAULT_STOP_TIMEOUT, UNLOAD_STUCK_AFTER, Loader, ModelNotLoadedError, ModelService,
+                      ModelTooLargeError)
+from .settings import (DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED, DEFAULT_ROOM_WAIT, DEFAULT_SLOT_QUOTA, SETTINGS_FILE,
+                       ModelSettings, ServiceOptions, SlotSettings, read_settings_file, read_slot_settings)
+from .status import CatalogEntry, ModelStatus, ServiceHealth, StopResult
+from .units import MAX_DURATION, parse_duration, parse_size
 
 __all__ = [
     "ModelService",
@@ -48,6 +51,7 @@ __all__ = [
     "CatalogEntry",
     "Lease",
     "StopResult",
+    "ServiceHealth",
     "NoRoomError",
     "ModelTooLargeError",
     "ModelNotLoadedError",
@@ -55,7 +59,13 @@ __all__ = [
     "DEFAULT_KEEP_ALIVE",
     "DEFAULT_MAX_LOADED",
     "DEFAULT_ROOM_WAIT",
+    "DEFAULT_STOP_TIMEOUT",
+    "UNLOAD_STUCK_AFTER",
+    "MAX_DURATION",
     "SETTINGS_FILE",
+    "DEFAULT_SLOT_QUOTA",
+    "SlotSettings",
+    "read_slot_settings",
     "parse_duration",
     "parse_size",
     "read_settings_file",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import InvalidOptionError, ModelNotFoundError
 from ..store import ModelManifest, Store
+from ..store.names import shown
 from .settings import ModelSettings, ServiceOptions
 
 __all__ = ["ModelNames", "model_key"]
@@ -76,13 +77,13 @@ class ModelNames:
         if configured is not None:
             return self.resolve_ref(configured)
         if _looks_like_path(model):
-            raise ModelNotFoundError(f"model {model[:200]!r} looks like a path: name a model of the store "
+            raise ModelNotFoundError(f"model {shown(model)} looks like a path: name a model of the store "
                                      "(`edgeinfer list`) or an alias the server configures")
         if model.endswith(".gguf"):
             for m in self.store.list():
                 if Path(m.file).name == model and m.path.exists():
                     return m.path, m
-            raise ModelNotFoundError(f"no model file named {model[:200]!r} in the store (see `edgeinfer list`)")
+            raise ModelNotFoundError(f"no model file named {shown(model)} in the store (see `edgeinfer list`)")
         return self.resolve_ref(model)
 
     def settings(self, key: str) -> ModelSettings:

@@ -46,6 +46,9 @@ class HeldModel:
         self.loaded_at: float | None = None
         self.load_s: float | None = None
         self.pinned = pinned  # the caller's engine: never unloaded by the service
+        self.unloading_since: float | None = None  # monotonic; when it was marked unloading
+        self.unload_grace = 0.0  # the grace its unload gives running requests
+        self.claimed = False  # a thread has taken on its unload (else the janitor does)
         self.wanted: list[threading.Event | None] = []  # while loading: the waiting requests' cancels
 
     @property
@@ -56,6 +59,14 @@ class HeldModel:
     @property
     def idle(self) -> bool:
         return self.state == "ready" and self.leases == 0 and not self.pinned
+
+    def mark_unloading(self, *, claimed: bool = True, grace: float = 0.0) -> None:
+        """(holds the registry's lock) Unloading from now on: by the caller (`claimed`), or by the
+        janitor."""
+        self.state = "unloading"
+        self.unloading_since = time.monotonic()
+        self.unload_grace = grace
+        self.claimed = claimed
 
 
 class Registry:
@@ -89,7 +100,7 @@ class Registry:
                 return None
             victims.append(idle.pop(0))
         for v in victims:
-            v.state = "unloading"
+            v.mark_unloading()
         self.evictions += len(victims)
         return victims
 
@@ -120,7 +131,7 @@ class Registry:
                 entry.keep_alive = keep_alive  # the last request's keep_alive wins (as Ollama's)
             if entry.leases == 0 and entry.state == "ready" and not entry.pinned:
                 if entry.keep_alive == 0:
-                    entry.state = "unloading"
+                    entry.mark_unloading(claimed=False)  # the janitor's (never in the releasing thread)
                     entry.expires = entry.last_used
                 elif entry.keep_alive > 0:
                     entry.expires = entry.last_used + entry.keep_alive
@@ -139,3 +150,17 @@ class Registry:
                     del self.entries[entry.plan.key]
                 self.cond.notify_all()
         log.info("unloaded %s", entry.plan.name)
+
+    def unload_in_background(self, entry: HeldModel, grace: float) -> threading.Thread:
+        """`unload` in a thread of its own (started, returned): an engine slow to close holds up
+        nothing but that thread."""
+        thread = threading.Thread(target=self.unload, args=(entry, grace), name=f"edgeinfer-unload-{entry.plan.name}",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def stuck(self, after_s: float) -> list[HeldModel]:
+        """(holds the lock) The models unloading for longer than their grace and `after_s` more."""
+        now = time.monotonic()
+        return [e for e in self.entries.values() if e.state == "unloading" and e.unloading_since is not None
+                and now - e.unloading_since > e.unload_grace + after_s]

@@ -19,6 +19,7 @@ from ..cancel import CancelToken, raise_if_cancelled
 from ..errors import Cancelled, EdgeInferError, InvalidOptionError, ModelNotFoundError
 from ..fit import available_memory
 from ..store import ModelManifest, Store
+from ..store.names import shown
 from ..validate import admit, validate_file
 from .janitor import Janitor
 from .leases import Lease
@@ -26,12 +27,16 @@ from .memory import ModelPlan, expected_ctx, gb_text, model_memory
 from .names import ModelNames, model_key
 from .registry import HeldModel, Registry
 from .settings import ModelSettings, ServiceOptions
-from .status import CatalogEntry, ModelStatus, StopResult
+from .status import CatalogEntry, ModelStatus, ServiceHealth, StopResult
 from .units import parse_duration
 
-__all__ = ["Loader", "ModelNotLoadedError", "ModelService", "ModelTooLargeError"]
+__all__ = ["DEFAULT_STOP_TIMEOUT", "UNLOAD_STUCK_AFTER", "Loader", "ModelNotLoadedError", "ModelService",
+           "ModelTooLargeError"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STOP_TIMEOUT = 10.0  # seconds `stop` waits for the unload (it goes on after, in its own thread)
+UNLOAD_STUCK_AFTER = 30.0  # seconds past its grace after which an unload is reported as stuck (`health`)
 
 
 class ModelTooLargeError(EdgeInferError, MemoryError):
@@ -155,6 +160,7 @@ class ModelService:
         evicted for it, and the load it started or waits for cancelled once no request waits for it."""
         if keep_alive is not None:
             keep_alive = parse_duration(keep_alive)
+        self._janitor.ensure_running()
         plan = self.plan(model)
         if plan.memory.total > self.budget:
             raise ModelTooLargeError(
@@ -174,7 +180,8 @@ class ModelService:
                 if entry is not None and entry.state == "ready" and entry.leases == 0 and \
                         getattr(entry.engine, "failure", None) is not None:
                     log.warning("the engine of %s stopped (%s): loading it again", plan.name, entry.engine.failure)
-                    entry.state, dead = "unloading", entry
+                    entry.mark_unloading()
+                    dead = entry
                 elif entry is not None and entry.state == "ready":
                     entry.leases += 1
                     entry.expires = None
@@ -260,7 +267,9 @@ class ModelService:
         exact = replace(exact, keep_alive=plan.keep_alive, aliases=plan.aliases)
         with self._held.cond:
             closed = self._held.closed
-            entry.plan, entry.engine, entry.state = exact, engine, "unloading" if closed else "ready"
+            entry.plan, entry.engine, entry.state = exact, engine, "ready"
+            if closed:
+                entry.mark_unloading()
             entry.loaded_at, entry.load_s = time.time(), load_s
             entry.last_used = time.monotonic()
             self.loads += 1
@@ -283,30 +292,41 @@ class ModelService:
             return next(s for s in self.ps() if s.path == lease.plan.key)
 
     # -- unloading -------------------------------------------------------------------------------
-    def stop(self, model: str | Path, *, grace: float = 0.0) -> StopResult:
+    def stop(self, model: str | Path, *, grace: float = 0.0, timeout: float | None = None) -> StopResult:
         """Unload `model` now; its running and queued requests are cancelled after `grace`
-        seconds (each ends with finish_reason "cancelled"). ModelNotLoadedError if it is not loaded."""
+        seconds (each ends with finish_reason "cancelled"). ModelNotLoadedError if it is not loaded.
+
+        Waits at most `timeout` seconds (None: DEFAULT_STOP_TIMEOUT) for a load under way to end
+        and for the unload: the result's `stopped` is False when the model is still unloading then
+        (it goes on in a thread of its own; `ps` shows it until it is gone)."""
+        timeout = DEFAULT_STOP_TIMEOUT if timeout is None else max(0.0, timeout)
+        deadline = time.monotonic() + timeout
         key = self._loaded_key(model)
         while True:
             with self._held.cond:
                 entry = self._held.entries.get(key) if key is not None else None
                 if entry is None:
-                    raise ModelNotLoadedError(f"model {str(model)[:200]!r} is not loaded")
+                    raise ModelNotLoadedError(f"model {shown(str(model))} is not loaded")
                 if entry.pinned:
                     raise InvalidOptionError(f"{entry.plan.name} was given to this server by its caller and stays")
-                if entry.state == "loading":
-                    pass
-                elif entry.state == "unloading":
-                    self._held.cond.wait(timeout=0.5)
+                left = deadline - time.monotonic()
+                if entry.state == "unloading":  # someone else's unload: wait for it, up to the deadline
+                    if left <= 0:
+                        return StopResult(entry.plan.name, 0, stopped=False)
+                    self._held.cond.wait(timeout=min(0.5, left))
                     continue
-                else:
-                    entry.state = "unloading"
+                if entry.state == "ready":
+                    entry.mark_unloading(grace=grace)
                     busy = entry.leases
                     break
-            entry.done.wait()
+            if not entry.done.wait(timeout=max(0.0, left)):  # loading: stopped once it is loaded
+                return StopResult(entry.plan.name, 0, stopped=False)
         log.info("stopping %s (%d request(s) running or waiting)", entry.plan.name, busy)
-        self._held.unload(entry, grace)
-        return StopResult(entry.plan.name, busy)
+        unloading = self._held.unload_in_background(entry, grace)
+        unloading.join(timeout=max(0.0, deadline - time.monotonic()))
+        if unloading.is_alive():
+            log.warning("%s is still unloading after %.0f s (it goes on)", entry.plan.name, timeout)
+        return StopResult(entry.plan.name, busy, stopped=not unloading.is_alive())
 
     def _loaded_key(self, model: str | Path) -> str | None:
         """The key of a held model by any name a request may use, by its file name or alias as
@@ -324,12 +344,14 @@ class ModelService:
     # -- what is held ----------------------------------------------------------------------------
     def ps(self) -> list[ModelStatus]:
         """Every model held (loading, ready, unloading), most recently used first."""
+        self._janitor.ensure_running()
         with self._held.cond:
             entries = sorted(self._held.entries.values(), key=lambda e: -e.last_used)
-            snapshot = [(e, e.state, e.leases, e.last_used, e.expires, e.keep_alive) for e in entries]
+            snapshot = [(e, e.state, e.leases, e.last_used, e.expires, e.keep_alive, e.unloading_since)
+                        for e in entries]
         now, wall = time.monotonic(), time.time()
         out = []
-        for e, state, leases, last_used, expires, keep in snapshot:
+        for e, state, leases, last_used, expires, keep, unloading_since in snapshot:
             engine, plan = e.engine, e.plan
             busy = queued = 0
             calibrating = False
@@ -344,8 +366,20 @@ class ModelService:
                 idle_s=None if leases else max(0.0, now - last_used), keep_alive=-1.0 if e.pinned else keep,
                 expires_in_s=expires_in, expires_at=None if expires_in is None else wall + expires_in,
                 loaded_at=e.loaded_at, load_s=e.load_s, pinned=e.pinned, aliases=plan.aliases,
-                kv_unified=plan.batch.kv_unified))
+                kv_unified=plan.batch.kv_unified,
+                unloading_s=None if state != "unloading" or unloading_since is None else now - unloading_since))
         return out
+
+    def health(self) -> ServiceHealth:
+        """What does not work as it should: a model whose unload takes UNLOAD_STUCK_AFTER seconds
+        longer than its grace (its memory and name are freed only when it ends). The janitor
+        thread is started again here if it had stopped (a bug: logged, and counted)."""
+        self._janitor.ensure_running()
+        with self._held.cond:
+            now = time.monotonic()
+            stuck = [(e.plan.name, now - (e.unloading_since or now)) for e in self._held.stuck(UNLOAD_STUCK_AFTER)]
+        problems = tuple(f"{name} has been unloading for {age:.0f} s" for name, age in stuck)
+        return ServiceHealth(problems, self._janitor.restarts)
 
     def catalog(self) -> list[CatalogEntry]:
         """Every model a request may name: the store's, and the files the operator configured,
@@ -370,6 +404,11 @@ class ModelService:
         # the default model first, then the loaded ones (most recently used first), then the rest
         order = {s.name: i for i, s in enumerate(held.values())}
         return sorted(out, key=lambda e: (e.name != default, e.status is None, order.get(e.name, 0)))
+
+    @property
+    def default_key(self) -> str | None:
+        """The key (`ModelStatus.path`) of the default model's file (None: no default model)."""
+        return self._names.default_key
 
     @property
     def default_name(self) -> str | None:
@@ -416,24 +455,28 @@ class ModelService:
         for engine in self.engines():
             engine.cancel_all()
 
-    def close(self, grace: float = 0.0) -> None:
+    def close(self, grace: float = 0.0, *, timeout: float | None = None) -> bool:
         """Refuse new leases, let running requests finish for `grace` seconds, then unload every
         model the service loaded (an adopted engine stays its caller's; a load under way is
-        unloaded by its loader when it ends)."""
+        unloaded by its loader when it ends). Waits at most `timeout` seconds after the grace
+        (None: until every model is unloaded); False when a model was still unloading then."""
         with self._held.cond:
             if self._held.closed:
-                return
+                return True
             self._held.closed = True
             entries = [e for e in self._held.entries.values() if e.state == "ready"]
             for e in entries:
-                e.state = "unloading"
+                e.mark_unloading(grace=grace)
             self._held.cond.notify_all()
-        closers = [threading.Thread(target=self._held.unload, args=(e, grace), daemon=True) for e in entries]
+        closers = [self._held.unload_in_background(e, grace) for e in entries]
+        deadline = None if timeout is None else time.monotonic() + grace + timeout
         for t in closers:
-            t.start()
-        for t in closers:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._janitor.join(timeout=5)
+        stuck = [e.plan.name for e, t in zip(entries, closers) if t.is_alive()]
+        if stuck:
+            log.warning("still unloading when the service closed: %s", ", ".join(stuck))
+        return not stuck
 
     def __enter__(self) -> ModelService:
         return self

@@ -11,8 +11,12 @@ checked by hand, strictly (`read_settings_file`):
     keep_alive = "10m"                      # seconds or 30s / 5m / 1h; 0; -1 = for ever
     alias = ["fast"]                        # more names a request may use
     # threads, batch, gpu_layers, draft_gpu_layers, rpc, tensor_split: as the serve flags
+    [slots]                                 # the server's slot files (llama-server's --slot-save-path)
+    path = "slots"                          # a folder (relative: to this file's); none: slot actions are off
+    quota = "2G"                            # the most their files may take together (--slot-quota)
 
-A table's settings win over [defaults]; the server's flags win over both for the default model.
+A table's settings win over [defaults]; the server's flags win over both for the default model
+(and over [slots]).
 """
 
 from __future__ import annotations
@@ -27,22 +31,26 @@ from typing import Any, ClassVar
 from ..engine.core.options import DEFAULT_LOAD, DEFAULT_SPECULATION, LoadOptions, SpeculationOptions
 from ..engine.faces.batch import BatchOptions
 from ..errors import InvalidOptionError
-from .units import parse_duration
+from .units import parse_duration, parse_size
 
 __all__ = [
     "DEFAULT_KEEP_ALIVE",
     "DEFAULT_MAX_LOADED",
     "DEFAULT_ROOM_WAIT",
+    "DEFAULT_SLOT_QUOTA",
     "SETTINGS_FILE",
     "ModelSettings",
     "ServiceOptions",
+    "SlotSettings",
     "read_settings_file",
+    "read_slot_settings",
 ]
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's 5 minutes)
 DEFAULT_MAX_LOADED = 3  # models loaded at once (Ollama's default on a CPU)
 DEFAULT_ROOM_WAIT = 60.0  # seconds a request waits for a busy model to become idle and make room
 SETTINGS_FILE = "serve.toml"  # per-model settings, in the store's root
+DEFAULT_SLOT_QUOTA = 4 << 30  # bytes the slot files of a server may take together (--slot-quota)
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,7 @@ class ModelSettings:
             values[key] = v
         settings = cls(**values)
         try:
-            settings.validate()
+            settings = settings.validate()
         except InvalidOptionError as e:
             raise InvalidOptionError(f"{where}: {e}") from None
         return settings
@@ -142,31 +150,65 @@ class ModelSettings:
         self.load_options()
         self.batch_options()
         self.speculation()
-        if self.keep_alive is not None:
-            parse_duration(self.keep_alive)
+        if self.keep_alive is not None and parse_duration(self.keep_alive) != self.keep_alive:
+            return replace(self, keep_alive=parse_duration(self.keep_alive))  # clamped (or -1 for ever)
         return self
 
 
-def read_settings_file(path: Path) -> tuple[ModelSettings, dict[str, ModelSettings]]:
-    """`serve.toml`: the [defaults] table and the [models."REF"] tables (absent file: none)."""
+def _read_toml(path: Path) -> dict[str, Any]:
+    """serve.toml's tables (absent file: none), its top level checked."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return ModelSettings(), {}
+        return {}
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidOptionError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise InvalidOptionError(f"{path} is not valid TOML: {e}") from None
-    unknown = sorted(set(data) - {"defaults", "models"})
+    unknown = sorted(set(data) - {"defaults", "models", "slots"})
     if unknown:
-        raise InvalidOptionError(f"{path}: unknown table or key {unknown[0]!r} (known: [defaults], [models.\"NAME:TAG\"])")
+        raise InvalidOptionError(f"{path}: unknown table or key {unknown[0]!r} (known: [defaults], "
+                                 "[models.\"NAME:TAG\"], [slots])")
+    return data
+
+
+def read_settings_file(path: Path) -> tuple[ModelSettings, dict[str, ModelSettings]]:
+    """`serve.toml`: the [defaults] table and the [models."REF"] tables (absent file: none)."""
+    data = _read_toml(path)
+    read_slot_settings(path, data)  # checked with the rest: one line at start, not at the first slot action
     defaults = ModelSettings.from_table(data.get("defaults", {}), f"{path}: [defaults]")
     models = data.get("models", {})
     if not isinstance(models, Mapping):
         raise InvalidOptionError(f"{path}: models must be tables like [models.\"NAME:TAG\"]")
     return defaults, {ref: ModelSettings.from_table(t, f"{path}: [models.{ref!r}]") for ref, t in models.items()}
+
+
+@dataclass(frozen=True)
+class SlotSettings:
+    """serve.toml's [slots] table: the folder where a server saves slot states (llama-server's
+    --slot-save-path; None: slot actions are off) and the bytes their files may take together."""
+
+    path: Path | None = None
+    quota: int | None = None  # None: DEFAULT_SLOT_QUOTA
+
+
+def read_slot_settings(path: Path, data: Mapping[str, Any] | None = None) -> SlotSettings:
+    """`serve.toml`'s [slots] table (absent: none), strictly; a relative `path` is the file's folder's."""
+    table = (_read_toml(path) if data is None else data).get("slots", {})
+    where = f"{path}: [slots]"
+    if not isinstance(table, Mapping):
+        raise InvalidOptionError(f"{where} must be a table")
+    unknown = sorted(set(table) - {"path", "quota"})
+    if unknown:
+        raise InvalidOptionError(f"{where}: unknown setting {unknown[0]!r} (known: path, quota)")
+    folder = table.get("path")
+    if folder is not None and (not isinstance(folder, str) or not folder.strip()):
+        raise InvalidOptionError(f"{where}: path must be a folder's path, got {folder!r}")
+    quota = table.get("quota")
+    return SlotSettings(None if folder is None else path.parent / Path(folder).expanduser(),
+                        None if quota is None else parse_size(quota, f"{where}: quota"))
 
 
 @dataclass(frozen=True)
@@ -183,7 +225,8 @@ class ServiceOptions:
     default_settings: ModelSettings = ModelSettings()  # the default model's flags (over its table)
 
     def validate(self) -> ServiceOptions:
-        parse_duration(self.keep_alive, "keep_alive")
+        """These options checked; a copy where a duration was clamped (see parse_duration)."""
+        keep_alive = parse_duration(self.keep_alive, "keep_alive")
         if isinstance(self.max_loaded, bool) or not isinstance(self.max_loaded, int) or not 1 <= self.max_loaded <= 64:
             raise InvalidOptionError(f"max_loaded must be an integer in [1, 64], got {self.max_loaded!r}")
         if self.max_memory is not None and (isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int)
@@ -191,6 +234,9 @@ class ServiceOptions:
             raise InvalidOptionError(f"max_memory must be a positive number of bytes, got {self.max_memory!r}")
         if not (isinstance(self.room_wait_s, int | float) and math.isfinite(self.room_wait_s) and self.room_wait_s >= 0):
             raise InvalidOptionError(f"room_wait_s must be a finite number of seconds >= 0, got {self.room_wait_s!r}")
-        for s in (self.defaults, self.default_settings, *self.models.values()):
-            s.validate()
+        defaults, flags = self.defaults.validate(), self.default_settings.validate()
+        models = {ref: s.validate() for ref, s in self.models.items()}
+        if (keep_alive, defaults, flags, models) != (self.keep_alive, self.defaults, self.default_settings,
+                                                     dict(self.models)):
+            return replace(self, keep_alive=keep_alive, defaults=defaults, default_settings=flags, models=models)
         return self

@@ -9,7 +9,7 @@ from typing import Any
 from ..store import ModelManifest
 from .memory import MemoryParts
 
-__all__ = ["CatalogEntry", "ModelStatus", "StopResult"]
+__all__ = ["CatalogEntry", "ModelStatus", "ServiceHealth", "StopResult"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class ModelStatus:
     pinned: bool  # given to the service by its caller: never unloaded
     aliases: tuple[str, ...] = ()
     kv_unified: bool = False  # one KV cache for all slots (else a stream per slot)
+    unloading_s: float | None = None  # seconds since it was marked unloading (None: it is not)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -59,3 +60,16 @@ class CatalogEntry:
 class StopResult:
     name: str
     cancelled: int  # requests that were running or waiting on it
+    stopped: bool = True  # False: still unloading when the stop's timeout ran out (it goes on)
+
+
+@dataclass(frozen=True)
+class ServiceHealth:
+    """Whether the service works as it should (`problems` says what does not, one line each)."""
+
+    problems: tuple[str, ...] = ()
+    janitor_restarts: int = 0  # times the keep-alive thread was found stopped and started again
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems

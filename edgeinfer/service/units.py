@@ -7,14 +7,20 @@ import re
 
 from ..errors import InvalidOptionError
 
-__all__ = ["parse_duration", "parse_size"]
+__all__ = ["MAX_DURATION", "parse_duration", "parse_size"]
+
+# The longest duration kept (a year): longer ones are clamped to it. Python cannot wait more than
+# ~9.2e9 s (threading and time.sleep raise OverflowError), and a model kept a year is kept; -1 is
+# for ever.
+MAX_DURATION = 365 * 24 * 3600.0
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")
 
 
 def parse_duration(value: object, what: str = "keep_alive") -> float:
     """Seconds from a number or a duration text (Ollama's forms: "300", "30s", "5m", "1h30m",
-    "0", "-1"); any negative value means for ever and is returned as -1."""
+    "0", "-1"); any negative value means for ever and is returned as -1; a duration longer than
+    MAX_DURATION is clamped to it (NaN and infinity are refused)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidOptionError(f"{what} must be a number of seconds or a duration like 5m, got {value!r}")
     if isinstance(value, str):
@@ -35,7 +41,7 @@ def parse_duration(value: object, what: str = "keep_alive") -> float:
         seconds = float(value)
     if math.isnan(seconds) or (math.isinf(seconds) and seconds > 0):
         raise InvalidOptionError(f"{what} must be a finite duration, got {value!r}")
-    return -1.0 if seconds < 0 else seconds
+    return -1.0 if seconds < 0 else min(seconds, MAX_DURATION)
 
 
 _SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)b?$")

@@ -13,11 +13,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 import edgeinfer
 
+from ..finite_json import JSONResponse
 from .anthropic import handle_count_tokens, handle_messages
 from .ollama import handle_ollama_generation
 from .ollama_models import OLLAMA_VERSION, delete_model, handle_embed, not_supported, ps_body, show_body, tags_body

@@ -26,11 +26,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 
 from ..errors import APIError, from_library_error
+from ..finite_json import JSONResponse
 from ..routing import acquire, plan_for
 from ..tools import prepare_chat
 from .anthropic_reply import AnthropicReply
@@ -224,8 +225,8 @@ async def handle_count_tokens(service: Any, request: Request) -> Response:
     parsed = await run_in_threadpool(parse_translated, translated, plan, service.max_tokens_limit(plan))
     lease = await acquire(service.models, parsed.model, None, request)
     try:
-        tokens, _, _ = await run_in_threadpool(prepare_chat, lease.engine, parsed.messages, parsed.options,
-                                               parsed.tools)
+        tokens, _, _ = await service.prepare.run(
+            lambda cancel: prepare_chat(lease.engine, parsed.messages, parsed.options, parsed.tools), "prompts")
     except edgeinfer.EdgeInferError as e:
         raise renamed_error(from_library_error(e), _NAMES) from None
     finally:

@@ -32,12 +32,13 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 from edgeinfer.service import ModelPlan
 
 from ..errors import APIError
+from ..finite_json import JSONResponse
 from ..protocol import ParsedRequest
 from ..routing import acquire, keep_alive_field, plan_for
 from .common import (MAX_ITEMS, Translated, bad, bool_field, check_fields, check_object, int_field, list_field,

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 from edgeinfer.engine.chat.template import template_supports_tools
@@ -37,8 +37,9 @@ from edgeinfer.embedding_meta import POOLING_NAMES, POOLING_TYPES, pooling_key
 from edgeinfer.engine.chat.tools import detect_format
 from edgeinfer.service import ModelPlan, ModelService
 
-from ..embeddings import EmbeddingsRequest, run_embeddings
+from ..embeddings import EmbeddingsRequest, run_embeddings, vectors_json
 from ..errors import APIError, from_library_error
+from ..finite_json import JSONResponse
 from ..routing import keep_alive_field, plan_for
 from .common import bad, check_fields, check_object, int_field, text_field
 
@@ -199,9 +200,9 @@ async def handle_embed(service: Any, request: Request, legacy: bool) -> Response
     def encode(result: Any, name: str, load_s: float) -> bytes:
         if legacy:
             return json.dumps({"embedding": result.vectors[0].tolist()}).encode()
-        return json.dumps({"model": name, "embeddings": result.vectors.tolist(),
-                           "total_duration": int((time.perf_counter() - started) * 1e9),
-                           "load_duration": int(load_s * 1e9), "prompt_eval_count": result.prompt_tokens}).encode()
+        timings = json.dumps({"total_duration": int((time.perf_counter() - started) * 1e9),
+                              "load_duration": int(load_s * 1e9), "prompt_eval_count": result.prompt_tokens})
+        return f'{{"model":{json.dumps(name)},"embeddings":{vectors_json(result.vectors)},{timings[1:]}'.encode()
 
     if not embeds(plan):
         raise bad(f"{plan.name} does not support embeddings: it declares no pooling type (a generative model); "

@@ -24,11 +24,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 import edgeinfer
 
 from ..errors import APIError
+from ..finite_json import JSONResponse
 from .common import bad, bool_field, check_fields, check_object, text_field
 from .ollama_reply import NDJSON
 

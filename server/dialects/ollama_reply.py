@@ -12,17 +12,17 @@ one too (a 503 when not streamed).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 
 from ..errors import APIError
+from ..finite_json import JSONResponse, dumps
 from ..reply import ReplyContext
 from .common import cancelled_error, tool_arguments
 from .shapes import OLLAMA
@@ -38,7 +38,7 @@ def created_at() -> str:
 
 
 def _line(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, ensure_ascii=False) + "\n"
+    return dumps(obj, ensure_ascii=False) + "\n"  # (never a bare NaN: finite_json)
 
 
 def _ns(seconds: float) -> int:

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 import edgeinfer
 
 from ..errors import APIError
+from ..finite_json import JSONResponse
 from ..reply import ReplyContext, sse
 from .common import cancelled_error, new_id, now_s
 

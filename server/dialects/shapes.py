@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..config import ServerConfig, check_credentials
 from ..errors import APIError
+from ..finite_json import JSONResponse
 
 __all__ = ["ErrorShape", "OPENAI", "ANTHROPIC", "OLLAMA", "shape_for_path", "anthropic_error_type"]
 

@@ -131,15 +131,16 @@ class KVSequence:
 
     # -- saved state (engine/state/session.py) -----------------------------------------------------------
     def save(self, path: str | os.PathLike[str], identity: SessionIdentity,
-             keep: Sequence[int] | None = None) -> SessionInfo:
+             keep: Sequence[int] | None = None, *, max_bytes: int | None = None) -> SessionInfo:
         """Write this sequence's KV state and tokens to `path` (a temporary name, renamed when
         complete), tied to `identity` (model hash, KV types); `keep`: cut the sequence to the prefix
-        it shares with these tokens first. The caller holds the context."""
+        it shares with these tokens first; `max_bytes`: a quota (DiskSpaceError before writing).
+        The caller holds the context."""
         from ..state.session import save_sequence
 
         if keep is not None:  # nothing a continuation of `keep` could not reuse
             self.truncate(common_prefix(self.cached, keep))
-        return save_sequence(self, path, identity)
+        return save_sequence(self, path, identity, max_bytes=max_bytes)
 
     def load(self, path: str | os.PathLike[str], identity: SessionIdentity,
              conversation: Sequence[int] | None = None) -> RestoreResult:

@@ -401,12 +401,14 @@ class BatchEngine(ModelFace):
 
     # -- saved slots (engine/state/session.py) ---------------------------------------------------------
     def save_slot(self, slot: int, path: str | os.PathLike[str],
-                  conversation: Sequence[Message] | Sequence[int] | None = None) -> SessionInfo:
+                  conversation: Sequence[Message] | Sequence[int] | None = None, *,
+                  max_bytes: int | None = None) -> SessionInfo:
         """Save slot `slot`'s KV cache to `path` (as Engine.save_session), on the scheduler thread
-        between two steps. EngineBusyError while a request runs on the slot."""
+        between two steps; `max_bytes`: DiskSpaceError, before writing, for a state that could take
+        more (a server's quota). EngineBusyError while a request runs on the slot."""
         keep = conversation_tokens(self, conversation)
         identity = face_identity(self)
-        return self._on_idle_slot(slot, lambda seq: seq.save(path, identity, keep))
+        return self._on_idle_slot(slot, lambda seq: seq.save(path, identity, keep, max_bytes=max_bytes))
 
     def restore_slot(self, slot: int, path: str | os.PathLike[str],
                      conversation: Sequence[Message] | Sequence[int] | None = None) -> RestoreResult:

@@ -197,7 +197,7 @@ class ModelFace:
         return self._embedder.embed(items, options, cancel=cancel)
 
     def _close_embedder(self) -> None:
-        """Before the runtime is freed (a running embed finishes first: it holds the embedder's lock)."""
+        """Before the runtime is freed (a running embed stops at its next decode, then frees its context)."""
         if self._embedder is not None:
             self._embedder.close()
 

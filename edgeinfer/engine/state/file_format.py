@@ -7,7 +7,8 @@ per layer the K type, row size and rows, and the same for V (transposed without 
 type, element size, rows). `llama_state_seq_get_data` writes the same state after an io magic and
 the sequence id. `parse_state` walks such a state in a buffer, refusing (StateRefused, one line)
 anything that runs past its end or that llama.cpp would choke on, and compares it with the layout
-a context of its own wrote (`learn_layout`); engine/state/session.py does the rest.
+a context of its own wrote (`learn_layout`); `check_finite` reads every K/V value of a parsed state
+and refuses one that is not a finite number; engine/state/session.py does the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = [
     "Reader",
     "parse_state",
     "learn_layout",
+    "check_finite",
+    "FINITE_CHECKED_TYPES",
     "check_cells",
     "read_layers",
     "GGSQ_MAGIC",
@@ -208,3 +211,64 @@ def learn_layout(buf: memoryview, start: int, end: int, n: int) -> StateLayout:
             last = e
     raise StateRefused(f"this model's KV memory has a layout edgeinfer cannot save or check ({last}): "
                        "recurrent, hybrid and sliding-window models are not supported")
+
+
+# The K/V cache types whose every value check_finite reads (edgeinfer.kv_types' list: every type a
+# context of edgeinfer's can have), by ggml type id: the block layout (numpy dtype) and the fields
+# that hold floats. A float type is checked value by value (BF16 by its exponent bits: numpy has no
+# bfloat16). A block-quantized type's values are a float16 scale d (and for the _1 types a minimum
+# m) times small integers — d * q (+ m) is finite exactly when d (and m) are — so its scales are
+# checked, every block's.
+_F16_BLOCK = {
+    8: ("q8_0", [("d", "<f2"), ("q", "V32")], ("d",)),
+    2: ("q4_0", [("d", "<f2"), ("q", "V16")], ("d",)),
+    3: ("q4_1", [("d", "<f2"), ("m", "<f2"), ("q", "V16")], ("d", "m")),
+    6: ("q5_0", [("d", "<f2"), ("qh", "V4"), ("q", "V16")], ("d",)),
+    7: ("q5_1", [("d", "<f2"), ("m", "<f2"), ("qh", "V4"), ("q", "V16")], ("d", "m")),
+    20: ("iq4_nl", [("d", "<f2"), ("q", "V16")], ("d",)),
+}
+_FLOAT = {0: ("f32", "<f4"), 1: ("f16", "<f2")}
+_BF16 = 30
+FINITE_CHECKED_TYPES = frozenset(_F16_BLOCK) | frozenset(_FLOAT) | {_BF16}
+
+
+def _finite(buf: memoryview, at: int, size: int, ggml_type: int) -> bool:
+    if ggml_type in _FLOAT:
+        dtype = np.dtype(_FLOAT[ggml_type][1])
+        return bool(np.isfinite(np.frombuffer(buf, dtype, size // dtype.itemsize, at)).all())
+    if ggml_type == _BF16:  # all exponent bits set: infinity or NaN
+        bits = np.frombuffer(buf, "<u2", size // 2, at)
+        return not bool(((bits & 0x7F80) == 0x7F80).any())
+    _, fields, floats = _F16_BLOCK[ggml_type]
+    dtype = np.dtype(fields)
+    if size % dtype.itemsize:
+        raise StateRefused(f"a K/V row of type {ggml_type} is not a whole number of blocks")
+    blocks = np.frombuffer(buf, dtype, size // dtype.itemsize, at)
+    return all(bool(np.isfinite(blocks[name]).all()) for name in floats)
+
+
+def check_finite(buf: memoryview, state: ParsedState, n: int) -> None:
+    """Refuse (StateRefused) a state holding a K or V value that is not a finite number (NaN or
+    infinity: a forged or corrupted file whose hashes were made to match), reading every value of
+    `state`'s n cells in `buf` (see FINITE_CHECKED_TYPES for what is read of each type)."""
+    layout = state.layout
+    if not layout.k:
+        return
+    r = Reader(buf, state.payload_at + n * layout.cell_bytes + 8, state.payload_at + state.payload_len)
+    for il in range(len(layout.k)):
+        t, row = r.i32(), r.u64()
+        _check_values(buf, r.take(n * row), n * row, t, f"layer {il}: K")
+    for il in range(len(layout.v)):
+        if layout.v_trans:
+            t, el, rows = r.i32(), r.u32(), r.u32()
+            size = n * el * rows
+        else:
+            t, size = r.i32(), n * r.u64()
+        _check_values(buf, r.take(size), size, t, f"layer {il}: V")
+
+
+def _check_values(buf: memoryview, at: int, size: int, ggml_type: int, where: str) -> None:
+    if ggml_type not in FINITE_CHECKED_TYPES:
+        raise StateRefused(f"{where} cache has ggml type {ggml_type}, whose values edgeinfer cannot check")
+    if not _finite(buf, at, size, ggml_type):
+        raise StateRefused(f"{where} cache holds values that are not finite numbers (NaN or infinity)")

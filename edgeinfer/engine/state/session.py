@@ -24,14 +24,19 @@ checked: they are read once into memory and handed over with `llama_state_seq_se
 read of a file that could change in between), re-framed for this context's number of KV streams,
 so a state saved on one engine face restores on the other. A refused state is one log line and no change to the
 cache. The hash catches corruption and truncation, not a forger who recomputes it: a forged file
-can only make replies wrong, never crash the process (its structure is checked, its numbers are
-just K/V values).
+can only make replies wrong, never crash the process (its structure is checked), and its K/V
+values must be finite numbers (file_format.check_finite: a NaN would reach logprobs and replies).
+
+A file is only ever opened as a regular file: O_NOFOLLOW (a symbolic link is refused), O_NONBLOCK
+(a FIFO or a device cannot block the open, and so the engine's scheduler), then fstat of what was
+opened — never a check of the path before it is opened (it could change in between).
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime as _dt
+import errno
 import hashlib
 import json
 import logging
@@ -51,8 +56,8 @@ import numpy as np
 
 from ...errors import DiskSpaceError, InvalidOptionError, StoreError
 from ...fsutil import atomic_path, ensure_free_space, sha256_file
-from .file_format import GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC, MAX_STREAMS, StateLayout, StateRefused, learn_layout, \
-    parse_state
+from .file_format import GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC, MAX_STREAMS, StateLayout, StateRefused, check_finite, \
+    learn_layout, parse_state
 from ...llama_backend import backend
 
 if TYPE_CHECKING:
@@ -235,10 +240,28 @@ def _tokens_sha256(tokens: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
 
 
+def _open_regular(path: str | os.PathLike[str]) -> Any:
+    """`path` opened for reading, if it is a regular file (see the module): StateRefused otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateRefused("a symbolic link, not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StateRefused("not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_trailer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The trailer of a state file (its JSON), or None when the file has none that parses."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             return _trailer(f, size)[0]
     except (OSError, StateRefused):
@@ -330,7 +353,7 @@ def _matches(data: Mapping[str, Any], identity: SessionIdentity) -> str | None:
 def _unchanged(path: Path, identity: SessionIdentity, tokens: Sequence[int]) -> int | None:
     """The size of the file at `path` when its trailer says it holds exactly this state."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             data, ggsq = _trailer(f, size)
     except (OSError, StateRefused):
@@ -341,11 +364,21 @@ def _unchanged(path: Path, identity: SessionIdentity, tokens: Sequence[int]) -> 
     return None
 
 
-def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: SessionIdentity) -> SessionInfo:
+def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: SessionIdentity, *,
+                  max_bytes: int | None = None) -> SessionInfo:
     """Write `seq`'s KV state to `path` (see the module). A file that already holds exactly this
-    state is kept as it is. The caller holds the context (the engine's lock, or the scheduler thread)."""
+    state is kept as it is. `max_bytes`: DiskSpaceError, before anything is written, when the file
+    could take more (a quota). A `path` that is not a regular file (a directory, a FIFO) is an
+    InvalidOptionError. The caller holds the context (the engine's lock, or the scheduler thread)."""
     t0 = time.perf_counter()
     path = Path(path)
+    try:
+        mode: int | None = os.lstat(path).st_mode
+    except OSError:  # none there (or its folder is none): the write below says why if it cannot be made
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):  # (the rename below would fail on a directory)
+        raise InvalidOptionError(f"{path.name} is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}: "
+                                 "a saved state is written only as a regular file")
     rt = seq.runtime
     if rt.facts.recurrent:
         raise InvalidOptionError(f"{identity.model_name}: a recurrent or hybrid model's state cannot be saved")
@@ -355,6 +388,9 @@ def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: Ses
     layout = _known_layout(rt)  # else learned from the file written below
     ll = backend()
     need = ll.llama_state_seq_get_size(rt.ctx, seq.seq_id) + 4 * len(tokens) + MAX_TRAILER
+    if max_bytes is not None and need > max_bytes:
+        raise DiskSpaceError(f"the KV state {path.name} would take up to {need / 1e6:.1f} MB, more than the "
+                             f"{max(0, max_bytes) / 1e6:.1f} MB it may")
     ensure_free_space(path.parent, need, f"the KV state {path.name}")
     ids = (ll.llama_token * max(1, len(tokens)))(*tokens)
     try:
@@ -393,6 +429,9 @@ def save_sequence(seq: SequenceLike, path: str | os.PathLike[str], identity: Ses
             total = tmp.stat().st_size
     except (DiskSpaceError, StoreError):
         raise
+    except IsADirectoryError:  # made a directory meanwhile
+        raise InvalidOptionError(f"{path.name} is a directory: a saved state is written only as a regular file") \
+            from None
     except OSError as e:
         raise StoreError(f"could not save the KV state to {path}: {e.strerror or e}") from None
     return SessionInfo(path, len(tokens), total, time.perf_counter() - t0)
@@ -435,11 +474,8 @@ def _restore(seq: SequenceLike, path: Path, identity: SessionIdentity, conversat
     rt = seq.runtime
     if rt.facts.recurrent:
         raise StateRefused("this model's memory (recurrent or hybrid) cannot restore a saved state")
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise StateRefused("not a regular file")
-        size = st.st_size
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         data, ggsq = _trailer(f, size)
         why = _matches(data, identity)
         if why is not None:
@@ -504,6 +540,7 @@ def _restore(seq: SequenceLike, path: Path, identity: SessionIdentity, conversat
                 raise StateRefused("its sha256 is not the one saved with it (corrupted or tampered)")
             state = parse_state(mv, 8, 8 + state_len, n, ext=layout.cell_ext if layout else False,
                                  expected=layout, tokens=tokens)
+            check_finite(mv, state, n)
             if layout is None:
                 seq.clear()
                 return RestoreResult(True, 0, size, time.perf_counter() - t0)
