@@ -326,9 +326,21 @@ def recorded_output(engine, prompt: list[int], sampling, tokens: int, record: Pa
     return known[key]
 
 
+def recorded_curve(engine, prompt: list[int], depth: int, max_b: int, record: Path | None) -> dict[int, float]:
+    """The cost curve at this depth, measured once and kept in `record` beside the outputs (a policy
+    change is then replayed on the same curve, noise-free, run after run)."""
+    key = f"curve|{engine.path.name}|{depth}|{max_b}"
+    known = json.loads(record.read_text()) if record and record.exists() else {}
+    if key not in known:
+        known[key] = cost_curve(engine, prompt, max_b=max_b)
+        if record:
+            record.write_text(json.dumps(known))
+    return {int(b): t for b, t in known[key].items()}
+
+
 def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled: bool = True,
         fixed_curve: dict[int, float] | None = None, record: Path | None = None,
-        fixed_lengths: tuple[int, ...] = ()) -> list[dict]:
+        fixed_lengths: tuple[int, ...] = (), noise_seeds: int = 0) -> list[dict]:
     import edgeinfer
 
     prompts: dict[str, tuple[list[int], edgeinfer.SamplingOptions]] = {}
@@ -348,7 +360,7 @@ def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled
         if fixed_curve is not None:
             curves[depth] = fixed_curve
         elif depth not in curves:
-            curves[depth] = cost_curve(engine, prompt, max_b=max([33, *(k + 1 for k in fixed_lengths)]))
+            curves[depth] = recorded_curve(engine, prompt, depth, max([33, *(k + 1 for k in fixed_lengths)]), record)
         curve = curves[depth]
         output = recorded_output(engine, prompt, sampling, tokens, record)
         beliefs = _beliefs(engine, prompt, curve, belief_names)
@@ -364,6 +376,9 @@ def run(engine, loads, tokens: int, belief_names: list[str], label: str, sampled
                          "bound_k": bound_k, "acceptance": round(acc, 3), "steps": pol.summary(),
                          "fixed": {k: round(replay(prompt, output, curve, belief, fixed=k).speedup, 3)
                                    for k in fixed_lengths},
+                         "noisy": [(r.drafted, round(r.speedup, 3)) for r in
+                                   (replay(prompt, output, curve, belief, noise=shared_machine(seed))
+                                    for seed in range(noise_seeds))],
                          "curve": {b: round(r, 2) for b, r in ratios(curve).items()}})
     return rows
 
@@ -376,6 +391,14 @@ def print_rows(rows: list[dict]) -> None:
         print(f"{r['model']:6} {r['workload']:16} {r['belief']:10} {r['depth']:5d} {r['policy']:6.2f} "
               f"{r['first_oracle']:6.2f} {r['length_oracle']:6.2f} {r['curve_bound']:6.2f} {r['bound_k']:3d} "
               f"{r['acceptance']:6.2f} " + "".join(f"{r['fixed'][k]:7.2f}" for k in fixed) + f"  {r['steps']}")
+    for r in rows:
+        if r["noisy"]:
+            drafted = [d for d, _ in r["noisy"]]
+            mid = statistics.median(drafted)
+            print(f"repeatability {r['workload']:16} {r['belief']:10}: drafted {min(drafted)}..{max(drafted)} tokens "
+                  f"over {len(drafted)} noisy runs ({(min(drafted) / mid - 1) * 100:+.0f} %, "
+                  f"{(max(drafted) / mid - 1) * 100:+.0f} % of the median {mid:g}); speed-up "
+                  f"{min(x for _, x in r['noisy']):.2f}..{max(x for _, x in r['noisy']):.2f}")
     seen = set()
     for r in rows:
         key = (r["model"], r["depth"])
@@ -402,6 +425,8 @@ def main() -> None:
     ap.add_argument("--record", type=Path, help="JSON file keeping the recorded outputs between runs")
     ap.add_argument("--workloads", default="", help="comma-separated subset")
     ap.add_argument("--fixed", default="", help="also replay these fixed draft lengths, e.g. 2,5,63 (adaptive off)")
+    ap.add_argument("--noise-seeds", type=int, default=0, help="also replay the policy observing this many seeded "
+                    "noisy machines (shared_machine): how far its drafted tokens move run to run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", help="replay a drafting head instead: per-position acceptance, e.g. 0.88,0.85,0.70 "
                     "(needs --curve and --draft-cost)")
@@ -442,7 +467,8 @@ def main() -> None:
         target, _ = qwen_pair()
         engine = edgeinfer.load(str(target), n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
         rows += run(engine, _subset(pair_workloads(), args.workloads), args.tokens, beliefs, "1.5B",
-                    sampled=not args.workloads, fixed_curve=fixed, record=args.record, fixed_lengths=lengths)
+                    sampled=not args.workloads, fixed_curve=fixed, record=args.record, fixed_lengths=lengths,
+                    noise_seeds=args.noise_seeds)
         engine.close()
     else:
         quants = [q.strip().upper() for q in args.quants.split(",")]
@@ -450,7 +476,8 @@ def main() -> None:
         for quant in quants:
             engine = edgeinfer.load(refs[quant], n_ctx=4096, n_threads=args.threads, flash_attn=False, store=store)
             rows += run(engine, _subset(workloads(), args.workloads), args.tokens, beliefs, quant,
-                        sampled=not args.workloads, fixed_curve=fixed, record=args.record, fixed_lengths=lengths)
+                        sampled=not args.workloads, fixed_curve=fixed, record=args.record, fixed_lengths=lengths,
+                        noise_seeds=args.noise_seeds)
             engine.close()
     tmp.cleanup()
     print(f"load average {os.getloadavg()[0]:.1f} at end")

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from edgeinfer.service import ModelPlan, ModelService
 from . import metrics as prom
 from .body import MAX_JSON_DEPTH, PARSE_ON_LOOP, check_json, parse_json, read_body
 from .browser import BrowserGuard
-from .config import ServerConfig, check_credentials
+from .config import ServerConfig, check_credentials, key_scope
 from .dialects import dialect_routes
 from .dialects.shapes import OPENAI, ErrorShape, shape_for_path
 from .embeddings import handle_embeddings
@@ -259,12 +260,16 @@ class _Service:
             """(in the prepare pool: rendering, tokenizing and compiling a grammar take time) The
             generation started; a chat through the library's one chat sequence (tools rendered,
             grammar, calls parsed)."""
+            options = parsed.options
+            scope = key_scope(request.headers)  # one memory of earlier answers per API key
+            if options.speculation.memory_scope != scope:
+                options = replace(options, speculation=replace(options.speculation, memory_scope=scope))
             if parsed.kind == "chat":
                 fields = parsed.tools
-                return engine.chat(list(parsed.messages), parsed.options, tools=fields.tools or None,
+                return engine.chat(list(parsed.messages), options, tools=fields.tools or None,
                                    tool_choice=fields.tool_choice, parallel_tool_calls=fields.parallel_tool_calls,
                                    logprobs=parsed.logprobs, notify=notify)
-            return engine.generate(parsed.prompt, parsed.options, logprobs=parsed.logprobs, notify=notify)
+            return engine.generate(parsed.prompt, options, logprobs=parsed.logprobs, notify=notify)
 
         try:
             gen = await self.prepare.run(start, "prompts", abandoned=lambda started: started.close())

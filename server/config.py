@@ -3,9 +3,11 @@ origins), how big a request may be, how long a client may take, how many may wai
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -151,6 +153,17 @@ def host_allowed(config: ServerConfig, header: str | None) -> bool:
         if a == "*" or name == a or (a.startswith(".") and (name.endswith(a) or name == a[1:])):
             return True
     return False
+
+
+def key_scope(headers: Mapping[str, str]) -> str:
+    """The memory scope of a request (SpeculationOptions.memory_scope): a digest of the API key it
+    presents (Authorization: Bearer KEY, or an x-api-key / api-key header), "" without one. Requests
+    of one key share the suffix drafter's memory of earlier answers; no other key's requests draft
+    from it. The key itself is never kept."""
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" else ""
+    key = key or (headers.get("x-api-key") or headers.get("api-key") or "").strip()
+    return hashlib.sha256(b"edgeinfer-memory-scope\0" + key.encode()).hexdigest()[:32] if key else ""
 
 
 def check_credentials(config: ServerConfig, authorization: str | None) -> bool:

@@ -65,7 +65,7 @@ def _integer(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None
 
 
 def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) -> edgeinfer.SpeculationOptions:
-    """The extra field `speculation`: off, lookup, or the server's own method (its --speculate: a
+    """The extra field `speculation`: off, lookup, suffix, or the server's own method (its --speculate: a
     draft model or self-draft it opened, or auto), as a name or {"method": ..., "draft_max": ...}.
     A request never names a model file: the server's disk is not the client's to choose."""
     spec = body.get("speculation")
@@ -82,7 +82,7 @@ def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) 
     if unknown:
         raise _bad(f"'speculation' may set {', '.join(sorted(_SPECULATION_KNOBS))}, not {', '.join(unknown)} "
                    "(the draft model is the server's --speculate)", "speculation")
-    if method in ("off", "lookup") or (method == "auto" and server.method != "auto"):
+    if method in ("off", "lookup", "suffix") or (method == "auto" and server.method != "auto"):
         base = edgeinfer.SpeculationOptions(method=method) if isinstance(method, str) else None
     elif method == server.method:
         base = server
@@ -95,7 +95,7 @@ def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) 
     else:
         base = None
     if base is None:
-        raise _bad(f"'speculation' must be off, lookup, auto, draft, self, mtp or eagle3, got {method!r}",
+        raise _bad(f"'speculation' must be off, lookup, suffix, auto, draft, self, mtp or eagle3, got {method!r}",
                    "speculation")
     try:
         return replace(base, **knobs).validate()

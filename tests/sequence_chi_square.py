@@ -126,19 +126,24 @@ def chi_square_power(engine, prompt: Sequence[int], distribution: Distribution, 
 
 
 def sample_sequences(engine, prompt: Sequence[int], sampling: SamplingOptions, speculation, n: int,
-                     length: int) -> tuple[Counter, int, int]:
+                     length: int, group: int = 1) -> tuple[Counter, int, int]:
     """(counts of the first `length` tokens, drafted, accepted) over `n` generations seeded 0..n-1
-    (a token more is asked for: a step drafts at most the tokens before its last)."""
+    (a token more is asked for: a step drafts at most the tokens before its last); `group` of them
+    submitted at a time (a BatchEngine's slots share their steps)."""
     from dataclasses import replace
 
     from edgeinfer import GenerateOptions
 
     observed: Counter = Counter()
     drafted = accepted = 0
-    for seed in range(n):
-        done = engine.generate(list(prompt), GenerateOptions(max_tokens=length + 1, sampling=replace(sampling, seed=seed),
-                                                             speculation=speculation)).result()
-        observed[tuple(done.tokens[:length])] += 1
-        drafted += done.stats.speculation.drafted
-        accepted += done.stats.speculation.accepted
+    for first in range(0, n, group):
+        gens = [engine.generate(list(prompt), GenerateOptions(max_tokens=length + 1,
+                                                              sampling=replace(sampling, seed=seed),
+                                                              speculation=speculation))
+                for seed in range(first, min(first + group, n))]
+        for gen in gens:
+            done = gen.result()
+            observed[tuple(done.tokens[:length])] += 1
+            drafted += done.stats.speculation.drafted
+            accepted += done.stats.speculation.accepted
     return observed, drafted, accepted

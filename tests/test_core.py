@@ -10,7 +10,6 @@ top-2 margin is printed) and stay greedy after it (greedy_compare).
 
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import replace
 
@@ -192,7 +191,7 @@ def test_the_rejection_rule_keeps_the_distribution_through_the_batch_path(f16_pa
     """A draft model sampling its drafts (T = 0.7, fixed length) in a BatchEngine, four requests
     sharing each step: the first three tokens are distributed exactly as the target's own
     sampling (chi-square against llama.cpp's chain on the target's logits)."""
-    from sequence_chi_square import sequence_chi_square
+    from sequence_chi_square import sample_sequences, sequence_chi_square
 
     prompt = single.chat_tokens([{"role": "user", "content": "Name a colour."}])
     sampling = SamplingOptions(temperature=0.7)
@@ -203,18 +202,9 @@ def test_the_rejection_rule_keeps_the_distribution_through_the_batch_path(f16_pa
     # tokens drawn at twice the temperature (w = 0.42, 3 df) with power 0.67 only (sequence_chi_square.
     # chi_square_power): it is for gross errors; 200 runs would reach 0.99.
     n, length = 100, 3
-    observed: collections.Counter = collections.Counter()
-    drafted = accepted = 0
     with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
                           flash_attn=False, speculation=spec) as be:
-        for group in range(0, n, 4):
-            gens = [be.submit(prompt, GenerateOptions(max_tokens=length + 1, sampling=replace(sampling, seed=seed),
-                                                      speculation=spec)) for seed in range(group, group + 4)]
-            for g in gens:
-                done = g.result()
-                observed[tuple(done.tokens[:length])] += 1
-                drafted += done.stats.speculation.drafted
-                accepted += done.stats.speculation.accepted
+        observed, drafted, accepted = sample_sequences(be, prompt, sampling, spec, n, length, group=4)
     assert drafted >= 2 * n and 0 < accepted < drafted
     result, table = sequence_chi_square(single, prompt, sampling, observed, n, length)
     assert result.pvalue > 1e-3, (result, table)

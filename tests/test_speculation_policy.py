@@ -209,3 +209,25 @@ def test_the_replay_benchmark_steps_the_engines_own_lookup_path():
     five = replay(prompt, prompt[50:250], curve, lambda: CostModel(dict(curve)), fixed=5)
     assert set(five.lengths) <= {0, 1, 2, 3, 4, 5} and five.lengths[5] >= 30
     assert five.accepted == five.drafted and 1.0 < five.speedup < copy.speedup
+
+
+def test_a_position_not_tried_lately_is_priced_on_fresh_evidence():
+    """Inside a long copy the policy drafted 3 tokens a step: positions 3.. were tried once and
+    decayed back to the prior (0.9) while positions 0-2 climbed, so a long draft was priced stale and
+    never tried (RESULTS.md, edit-add). They now fall back on the per-token acceptance of every
+    position judged lately (at most FALLBACK_CAP); text that rejects often keeps the old pricing."""
+    from edgeinfer.engine.speculation.policy import FALLBACK_CAP, AcceptanceModel
+
+    copying = AcceptanceModel(prior=0.9)
+    copying.update(8, 8)
+    for _ in range(40):
+        copying.update(3, 3)
+    assert copying.prob(0) > 0.97
+    assert copying.prob(6) > 0.97 and copying.prob(20) == pytest.approx(FALLBACK_CAP, abs=1e-3)  # was 0.90
+    rejecting = AcceptanceModel(prior=0.7)
+    for _ in range(20):
+        rejecting.update(4, 1)
+    assert rejecting.pooled() == 0.7  # never below the prior: each position priced as before
+    w = rejecting.prior_weight
+    assert rejecting.prob(1) == pytest.approx((rejecting.hits[1] + 0.7 * w) / (rejecting.tries[1] + w))
+    assert rejecting.prob(1) < 0.3

@@ -19,6 +19,7 @@ __all__ = ["ChatSettings", "SpeculationSettings", "SPECULATION_CHOICES", "kv_lab
 SPECULATION_CHOICES: tuple[tuple[str, str], ...] = (
     ("off", "Off"),
     ("lookup", "Prompt lookup (n-grams)"),
+    ("suffix", "Suffix tree (earlier answers)"),
     ("draft", "Draft model"),
     ("self", "Self-draft (quantized copy)"),
     ("auto", "Auto (pick what pays)"),

@@ -111,10 +111,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"(default: serve.toml's, else {load_defaults.kv_type})")
     add_placement_options(p, drafts=True)
     p.add_argument("--speculate", metavar="SPEC",
-                   help="the default model's speculation for requests: off | lookup | auto | auto=MODEL | "
+                   help="the default model's speculation for requests: off | lookup | suffix | auto | auto=MODEL | "
                    "draft=MODEL | self=Q4_K_M | mtp | eagle3=MODEL (a draft model, self-draft or head is opened "
                    "when the model loads, one "
-                   "sequence per slot); a request may turn it off or choose lookup with the extra body field "
+                   "sequence per slot; suffix and auto draft from earlier answers, one memory per API key); a request may "
+                   "turn it off or choose lookup or suffix with the extra body field "
                    "'speculation' (default: serve.toml's, else off)")
     many = p.add_argument_group("models by name")
     many.add_argument("--keep-alive", type=_duration, default=DEFAULT_KEEP_ALIVE, metavar="DURATION",

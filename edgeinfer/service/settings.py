@@ -71,7 +71,7 @@ class ModelSettings:
     draft_gpu_layers: int | str | None = None
     rpc: tuple[str, ...] | None = None
     tensor_split: tuple[float, ...] | None = None
-    speculate: str | None = None  # off | lookup | auto | auto=MODEL | draft=MODEL | self=QUANT
+    speculate: str | None = None  # off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=QUANT
     keep_alive: float | None = None  # seconds; 0: unload after each request; -1: for ever
     alias: tuple[str, ...] = ()
 

@@ -100,6 +100,7 @@ class SpeculationStats:
     plain_steps: int = 0  # steps where the policy drafted nothing (no match, or it would not pay)
     note: str = ""  # why a drafter was switched off, when it was
     draft_cost: float = 0.0  # a draft model's or head's drafted token, in target steps (measured; 0: none)
+    remembered: int = 0  # accepted tokens the suffix drafter drew from earlier answers (its scope's)
 
     @property
     def acceptance_rate(self) -> float:
@@ -138,6 +139,7 @@ class SpeculationStats:
             "steps": self.steps,
             "plain_steps": self.plain_steps,
             **({"draft_cost": self.draft_cost} if self.draft_cost else {}),
+            **({"remembered": self.remembered} if self.remembered else {}),
             **({"note": self.note} if self.note else {}),
         }
 

@@ -37,7 +37,7 @@ __all__ = [
 
 KVType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 KV_TYPES: tuple[str, ...] = KV_TYPE_NAMES  # edgeinfer.kv_types: the one list
-SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "draft", "self", "auto", "mtp", "eagle3")
+SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "suffix", "draft", "self", "auto", "mtp", "eagle3")
 
 _INT32_MAX = 2**31 - 1  # llama.cpp takes counts and sizes as int32/uint32: larger ones would wrap
 
@@ -208,7 +208,9 @@ class SamplingOptions:
 class SpeculationOptions:
     """Speculative decoding. Output is the same as without it (lossless); only speed changes.
 
-    method: off | lookup (n-grams from prompt + output) | draft (a smaller model, `draft_model`)
+    method: off | lookup (n-grams from prompt + output)
+            | suffix (continuations of earlier answers and of prompt + output, scored by frequency:
+              speculation/suffix.py) | draft (a smaller model, `draft_model`)
             | self (a quantized copy of the target, `self_quant`) | auto (pick what pays)
             | mtp (the model's own multi-token-prediction layer, e.g. Qwen3.5's)
             | eagle3 (an EAGLE-3 drafter for this model, `draft_model`)
@@ -221,6 +223,9 @@ class SpeculationOptions:
     draft_min: int = 0
     p_min: float = 0.5  # draft model: stop drafting when its top token's probability falls below this
     adaptive: bool = True
+    # Whose earlier answers `suffix` and `auto` may draft from: requests of one scope share a loaded
+    # model's memory of answers, no other scope sees it (a server sets one per API key).
+    memory_scope: str = ""
 
     def validate(self) -> SpeculationOptions:
         _instance("speculation ", "method", self.method, str, "a string")
@@ -230,6 +235,9 @@ class SpeculationOptions:
         _int("", "draft_min", self.draft_min, -_INT32_MAX)
         _number("", "p_min", self.p_min)
         _instance("speculation ", "adaptive", self.adaptive, bool, "True or False")
+        _instance("speculation ", "memory_scope", self.memory_scope, str, "a string")
+        if len(self.memory_scope) > 256:
+            raise InvalidOptionError(f"memory_scope is at most 256 characters, got {len(self.memory_scope)}")
         if self.method not in SPECULATION_METHODS:
             raise InvalidOptionError(
                 f"unknown speculation method {self.method!r}: choose one of {', '.join(SPECULATION_METHODS)}"
@@ -247,7 +255,7 @@ class SpeculationOptions:
 
     @classmethod
     def parse(cls, spec: str, **overrides: object) -> SpeculationOptions:
-        """Parse the CLI form: off | lookup | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp
+        """Parse the CLI form: off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp
         | eagle3=MODEL (auto=MODEL: auto may also draft with MODEL where it pays)."""
         _instance("", "speculation", spec, str, "a string like 'lookup' or 'self=Q4_K_M'")
         spec = spec.strip()

@@ -56,6 +56,7 @@ from ..speculation.draft_model import DraftContext
 from ..speculation.request_speculation import Proposal, RequestSpeculation
 from ..speculation.heads import HeadContext
 from ..speculation.policy import CostModel
+from ..speculation.suffix import SuffixMemory
 from . import drafting
 
 __all__ = ["Scheduler", "Slot", "StepCounters"]
@@ -64,6 +65,9 @@ log = logging.getLogger(__name__)
 
 # llama-server reads up to n_batch prompt rows (2,048 by default) in a step its running streams wait for
 PEER_BATCH_ROWS = 2048
+
+# Methods whose requests draft from, and add to, the model's memory of earlier answers.
+_REMEMBERING = ("suffix", "auto")
 
 DraftSource = Callable[[SpeculationOptions], "DraftContext | HeadContext | None"]
 HeadSource = Callable[[], "list[HeadContext]"]
@@ -123,6 +127,8 @@ class Scheduler:
         self.active: list[RequestState] = []  # in admission order: prompts are fed first come, first served
         self.counters = StepCounters()
         self.finished: dict[str, int] = {}
+        # Earlier answers of this model, per scope, for the suffix drafter (speculation/suffix.py).
+        self.memory = SuffixMemory()
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, req: RequestState) -> None:
@@ -439,7 +445,9 @@ class Scheduler:
         if spec.method != "off" and (not rt.facts.recurrent or rt.n_rs_seq > 0):
             stats = SpeculationStats()
             draft = self.drafts(spec) if self.drafts is not None else None
-            r.speculation = RequestSpeculation(spec, self.costs, stats, draft, r.sampler)
+            remembers = spec.method in _REMEMBERING
+            r.speculation = RequestSpeculation(spec, self.costs, stats, draft, r.sampler,
+                                               self.memory.corpus(spec.memory_scope) if remembers else None)
             stats.method = r.speculation.method
             r.stats.speculation = stats
             r.sampled_drafts = r.speculation.sampled
@@ -492,6 +500,9 @@ class Scheduler:
             return
         r.end(reason)  # type: ignore[arg-type]
         self._count(r.done.finish_reason if r.done is not None else "cancelled")
+        spec = r.options.speculation
+        if spec.method in _REMEMBERING and r.speculation is not None:  # (a failed request's tokens are not kept)
+            self.memory.remember(spec.memory_scope, r.prompt, r.generated)
         self.counters.generated += len(r.generated)
         self._free(r)
         r.flush()

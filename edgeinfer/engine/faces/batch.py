@@ -245,12 +245,12 @@ class BatchEngine(ModelFace):
         self.speculation = spec
 
     def _check_speculation(self, spec: SpeculationOptions) -> None:
-        if spec.method in ("off", "lookup") or (spec.method == "auto" and not spec.draft_model):
+        if spec.method in ("off", "lookup", "suffix") or (spec.method == "auto" and not spec.draft_model):
             return
         if draft_key(spec) != draft_key(self.speculation) or not self._drafts.is_ready(spec):
             raise InvalidOptionError(
                 f"speculation {spec.method!r} with this draft model is not prepared on this engine "
-                f"(it speculates with {self.speculation.method!r}; use off, lookup or that)")
+                f"(it speculates with {self.speculation.method!r}; use off, lookup, suffix or that)")
 
     # -- requests --------------------------------------------------------------------------------
     def _checked(self, tokens: Sequence[int], options: GenerateOptions | None) -> tuple[GenerateOptions, Sampler | None]:

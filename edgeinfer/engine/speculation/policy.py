@@ -38,6 +38,8 @@ _EXPLORE_MAX = 4
 _T1_REFRESH = 64
 _T1_MIN_GAP = 8
 _UNTRIED_DISCOUNT = 0.9
+# The most a position without evidence of its own is priced at (AcceptanceModel.pooled).
+FALLBACK_CAP = 0.98
 
 
 class CostModel:
@@ -254,13 +256,23 @@ class AcceptanceModel:
     hits: list[float] = field(default_factory=list)
     tries: list[float] = field(default_factory=list)
 
+    def pooled(self) -> float:
+        """The per-token acceptance over every position judged lately (each decayed alike): what the
+        text is doing now. A position is priced from its own evidence where it has some and from
+        this where it has none, so a long draft is priced on fresh evidence: a position not tried
+        for a while no longer decays back to the prior while position 0 climbs (a copy drafted 3
+        tokens a step where 31 paid, RESULTS.md "What the code edits can reach"). Never below the
+        prior (text that rejects often is priced as before: position by position) and at most
+        FALLBACK_CAP (evidence from short drafts says little about a 30th token)."""
+        pooled = (sum(self.hits) + self.prior * self.prior_weight) / (sum(self.tries) + self.prior_weight)
+        return max(self.prior, min(pooled, FALLBACK_CAP))
+
     def prob(self, i: int) -> float:
+        base = self.pooled()
         if i < len(self.tries):
-            return (self.hits[i] + self.prior * self.prior_weight) / (self.tries[i] + self.prior_weight)
-        # Beyond what was seen: the last seen position is the best guess.
-        if self.tries:
-            return self.prob(len(self.tries) - 1)
-        return self.prior
+            return (self.hits[i] + base * self.prior_weight) / (self.tries[i] + self.prior_weight)
+        # Beyond what was seen: no better than the last seen position.
+        return min(base, self.prob(len(self.tries) - 1)) if self.tries else base
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         for i in range(len(self.tries)):

@@ -27,12 +27,16 @@ from ..core.sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
 from .heads import HeadContext, HeadDrafter
 from .lookup import LookupMatch, NgramIndex
-from .policy import CostModel, LengthPolicy
+from .policy import AcceptanceModel, CostModel, LengthPolicy
+from .suffix import SuffixSource, TokenCorpus
 
 __all__ = ["Proposal", "RequestSpeculation", "speculation_method"]
 
 # A 2-gram match is weaker evidence than a longer one.
 _WEAK_MATCH_QUALITY = 0.8
+# A suffix match this long (tokens) is a full one: the policy's 'resumed' estimates price it.
+_FULL_SUFFIX_MATCH = 8
+_FULL_SUFFIX_PRIOR = 0.9
 
 
 def speculation_method(spec: SpeculationOptions) -> str:
@@ -44,29 +48,42 @@ def speculation_method(spec: SpeculationOptions) -> str:
 class Proposal:
     """What one request could draft this step."""
 
-    kind: Literal["lookup", "model", "head"]
+    kind: Literal["lookup", "suffix", "model", "head"]
     policy: LengthPolicy
     limit: int  # most rows it may draft
     gains: list[float]  # expected tokens each row would add
-    tokens: list[int] = field(default_factory=list)  # lookup: the continuation found; model: after drafting
+    tokens: list[int] = field(default_factory=list)  # lookup, suffix: the continuation found; model: after drafting
     draft_cost: float = 0.0  # a drafted token's cost in target steps (a draft model's or a head's decodes)
     forced: int = 0  # leading tokens the grammar forces (always accepted)
     fixed: bool = False  # a fixed length the user asked for (adaptive off): not planned
     k: int = 0  # what the step's plan gave it
     job: DraftJob | None = None  # a draft model's work, once planned
     context: DraftContext | HeadContext | None = None  # the draft model's or head's context
+    remembered: bool = False  # suffix: drafted (also) from earlier answers
 
 
 class RequestSpeculation:
     """A request's drafters (lookup and/or a draft model or head), their policies and statistics."""
 
     def __init__(self, spec: SpeculationOptions, costs: CostModel, stats: SpeculationStats,
-                 draft: DraftContext | HeadContext | None, sampler: Sampler | None):
+                 draft: DraftContext | HeadContext | None, sampler: Sampler | None,
+                 memory: TokenCorpus | None = None):
         self.spec = spec
         self.stats = stats
         self.method = speculation_method(spec)
         self.lookup: NgramIndex | None = NgramIndex() if spec.method in ("lookup", "auto") else None
         self.lookup_policy = LengthPolicy(costs, spec) if self.lookup is not None else None
+        # suffix: earlier answers (`memory`, the scope's) and the request's own text; auto: earlier
+        # answers beside lookup (which reads the request's own text).
+        self.suffix: SuffixSource | None = None
+        if spec.method == "suffix" or (spec.method == "auto" and memory is not None):
+            self.suffix = SuffixSource(memory, own=spec.method == "suffix")
+        self.suffix_policy: LengthPolicy | None = None
+        if self.suffix is not None:
+            self.suffix_policy = LengthPolicy(costs, spec)
+            # A long match (the last _FULL_SUFFIX_MATCH tokens or more agree with an earlier text) is
+            # evidence like a run: the tree's frequencies scale it along the draft.
+            self.suffix_policy.resumed = AcceptanceModel(prior=_FULL_SUFFIX_PRIOR)
         self.model: ModelDrafter | None = None
         if isinstance(draft, HeadContext) and spec.method in ("mtp", "eagle3", "auto"):
             # A head drafts from the target's own states (its catching up is one batched decode):
@@ -85,7 +102,7 @@ class RequestSpeculation:
             sampler.grammar is not None and sampler.grammar.on_llguidance else None
 
     def policies(self) -> list[LengthPolicy]:
-        out = [self.lookup_policy] if self.lookup_policy is not None else []
+        out = [p for p in (self.lookup_policy, self.suffix_policy) if p is not None]
         return out + ([self.model.policy] if self.model is not None else [])
 
     def start(self, target: KVSequence, slot: int) -> None:
@@ -125,6 +142,10 @@ class RequestSpeculation:
                 best = Proposal("lookup", policy, len(draft), gains, tokens=draft,
                                 fixed=not policy.opts.adaptive and not forced, forced=len(forced))
                 best_rate = _best_rate(best)
+        if self.suffix is not None and self.suffix_policy is not None:
+            candidate = self._suffix_proposal(history, room)
+            if candidate is not None and (best is None or _best_rate(candidate) > best_rate):
+                best, best_rate = candidate, _best_rate(candidate)
         model = self.model
         if model is not None and model.enabled:
             policy = model.policy
@@ -141,6 +162,20 @@ class RequestSpeculation:
                                         model.p_min)
                     best.context = model.context
         return best
+
+    def _suffix_proposal(self, history: list[int], room: int) -> Proposal | None:
+        """What the suffix drafter found: the policy's estimates for this source, scaled along the
+        draft by the frequencies behind each token (a token that followed 2 of 3 times is worth 2/3
+        of one that always did)."""
+        assert self.suffix is not None and self.suffix_policy is not None
+        policy = self.suffix_policy
+        found = self.suffix.draft(history, policy.limit(room))
+        if not found.tokens:
+            return None
+        policy.full_match = found.match >= _FULL_SUFFIX_MATCH
+        gains = [g * p for g, p in zip(policy.gains(len(found.tokens)), found.probs)]
+        return Proposal("suffix", policy, len(found.tokens), gains, tokens=found.tokens,
+                        fixed=not policy.opts.adaptive, remembered=self.suffix.remembered(found))
 
     def observe(self, proposal: Proposal | None, n_drafted: int, n_accepted: int, step_s: float,
                 plain_s: float) -> None:
@@ -159,6 +194,8 @@ class RequestSpeculation:
         proposal.policy.observe(n_drafted - forced, max(0, n_accepted - forced), step_s, draft_s, plain_s,
                                 learn_costs=False)
         self.stats.record(n_drafted, n_accepted)
+        if proposal.remembered:
+            self.stats.remembered += n_accepted
         if proposal.job is not None and self.model is not None:
             self.model.drafted(proposal.job)
             self.stats.draft_cost = round(self.model.draft_cost(), 4)
