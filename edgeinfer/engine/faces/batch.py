@@ -45,7 +45,7 @@ from ..core.events import ScoredTokenEvent
 from .common import ModelFace
 from ..llama.flash_choice import with_measured_flash_attn
 from ..llama.runtime import LlamaRuntime
-from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
+from ..core.options import HEAD_METHODS, GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.request import RequestState
 from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler
@@ -180,8 +180,8 @@ class BatchEngine(ModelFace):
         mtp = mtp_layers(info) > 0
         # A drafting head reads the target's hidden states by batch row, and llama.cpp reorders
         # only logits when it cuts a batch into per-stream ubatches: with heads, one cache.
-        head = isinstance(speculation, str) and speculation.strip().partition("=")[0] in ("mtp", "eagle3") or \
-            isinstance(speculation, SpeculationOptions) and speculation.method in ("mtp", "eagle3")
+        head = isinstance(speculation, str) and speculation.strip().partition("=")[0] in HEAD_METHODS or \
+            isinstance(speculation, SpeculationOptions) and speculation.method in HEAD_METHODS
         unified = self.batch_options.kv_unified or mtp or head
         if not unified:  # the measured flash-attention verdict holds for a stream per slot too (flash_choice)
             options = with_measured_flash_attn(self.path, options, self.store)
