@@ -175,3 +175,61 @@ def test_medusa_refuses_what_is_not_its_heads_in_one_line(medusa, tmp_path):
     with pytest.raises(InvalidOptionError, match="a file of Medusa heads"):
         SpeculationOptions.parse("medusa")
     assert SpeculationOptions.parse(f"medusa={wide}").draft_model == str(wide)
+
+
+def test_llama_cpp_sequence_ids_express_a_token_tree(medusa):
+    """What a token tree would need (benchmarks/RESULTS.md says why this CPU verifies chains): a row
+    may belong to several sequences, and each sequence attends only to its own cells, so a tree is
+    one sequence id per root-to-leaf path, shared nodes carrying all of theirs. One decode of the
+    tree [A -> (B -> D), (C)] gives each node the logits of its own chain, and keeping branch C
+    (seq_cp / seq_rm) leaves the slot's sequence as if A, C had been decoded alone."""
+    from llama_ext import ext
+
+    ll = ext().ll
+    mp = ll.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = ll.llama_model_load_from_file(str(medusa["t"]).encode(), mp)
+    cp = ll.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
+    cp.n_seq_max, cp.kv_unified, cp.flash_attn_type = 2, True, 0
+    cp.type_k = cp.type_v = 0  # f32
+    cp.n_threads = cp.n_threads_batch = 1
+    ctx = ll.llama_init_from_model(model, cp)
+    mem = ll.llama_get_memory(ctx)
+
+    def decode(rows: list[tuple[int, int, list[int]]]) -> list[np.ndarray]:
+        b = ll.llama_batch_init(len(rows), 0, 2)
+        for i, (tok, pos, seqs) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, len(seqs), True
+            for j, s in enumerate(seqs):
+                b.seq_id[i][j] = s
+        b.n_tokens = len(rows)
+        try:
+            assert ll.llama_decode(ctx, b) == 0
+            return [np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(49152,)).copy()
+                    for i in range(len(rows))]
+        finally:
+            ll.llama_batch_free(b)
+
+    try:
+        prompt, (A, B, C, D) = PROMPTS[0], (500, 600, 700, 800)
+        p = len(prompt)
+        decode([(t, i, [0]) for i, t in enumerate(prompt)])
+        ab, abd = decode([(A, p, [0]), (B, p + 1, [0]), (D, p + 2, [0])])[1:]
+        ll.llama_memory_seq_rm(mem, 0, p, -1)
+        ac = decode([(A, p, [0]), (C, p + 1, [0])])[1]
+        ll.llama_memory_seq_rm(mem, 0, p, -1)
+        ll.llama_memory_seq_cp(mem, 0, 1, -1, -1)
+        tree = decode([(A, p, [0, 1]), (B, p + 1, [0]), (C, p + 1, [1]), (D, p + 2, [0])])
+        for got, want in ((tree[1], ab), (tree[2], ac), (tree[3], abd)):
+            assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+        assert ll.llama_memory_seq_rm(mem, 0, p, -1)  # keep branch C as the slot's sequence
+        ll.llama_memory_seq_cp(mem, 1, 0, -1, -1)
+        assert ll.llama_memory_seq_rm(mem, 1, -1, -1)
+        after = decode([(D, p + 2, [0])])[0]
+        ll.llama_memory_seq_rm(mem, 0, p, -1)
+        want = decode([(A, p, [0]), (C, p + 1, [0]), (D, p + 2, [0])])[2]
+        assert np.abs(after - want).max() < 1e-4 * np.abs(want).max()
+    finally:
+        ll.llama_free(ctx)
+        ll.llama_model_free(model)
