@@ -121,8 +121,11 @@ def main() -> None:
           + ", ".join(f"{b}->{b + 1}: {cost[b + 1] - cost[b]:.2f}" for b in SIZES[:-1] if b + 1 in cost))
     print(f"one Medusa head in numpy (float32, {proj.nbytes / 2**20:.0f} MiB): {h1 * 1e3:.1f} ms on 1 state, "
           f"{h4 * 1e3:.1f} ms on 4 -> a drafted token costs c = {c:.2f} target steps ({h4 / 4 / t[1]:.2f} batched by 4)")
-    print(f"chain break-even per-position acceptance at c = {c:.2f}: {break_even(cost, c, args.heads):.2f} "
-          f"(at c = 0: {break_even(cost, 0.0, args.heads):.2f})")
+    # The same head read at fewer bits (a ggml evaluation, not numpy's float32), by bytes: Q8_0 and Q4_K.
+    at = {f"c = {c:.2f} (numpy f32, measured)": c, f"c = {c * 8.5 / 32:.2f} (its bytes at Q8_0)": c * 8.5 / 32,
+          f"c = {c * 4.5 / 32:.2f} (at Q4_K)": c * 4.5 / 32, "c = 0 (a free head)": 0.0}
+    print("chain break-even per-position acceptance: "
+          + "; ".join(f"{label}: {break_even(cost, x, args.heads):.2f}" for label, x in at.items()))
     for label, speedup in (("Medusa-1, Vicuna-7B: 2.2x", 2.2), ("Medusa-2, Vicuna-7B: 2.83x", 2.83)):
         a = per_position(speedup, args.heads)
         r, k = chain_rate(cost, c, a, args.heads)

@@ -52,6 +52,16 @@ def test_settings_dialog_opens_on_the_system_prompt_and_enter_saves(make_app, ba
     run(main())
 
 
+async def _apply_draft_length(pilot, app, screen, k: int) -> str:
+    """Set the panel's draft length, apply it with Enter there; the notice the chat shows."""
+    screen.query_one("#spec-k").value = str(k)
+    screen.query_one("#spec-k").focus()
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
+    assert app._notifications
+    return list(app._notifications)[-1].message
+
+
 def test_speculation_dialog_focus_layout_and_notice(make_app, backend):
     import edgeinfer
 
@@ -65,11 +75,7 @@ def test_speculation_dialog_focus_layout_and_notice(make_app, backend):
             assert screen.query_one("#spec-k").value == str(edgeinfer.SpeculationOptions().draft_max)
             _labels_clear_of_their_fields(screen)
             screen.query_one("#spec-method").value = "lookup"
-            screen.query_one("#spec-k").value = "16"
-            screen.query_one("#spec-k").focus()
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
-            assert app._notifications and list(app._notifications)[-1].message == "Speculation: lookup, drafts up to 16 tokens."
+            assert await _apply_draft_length(pilot, app, screen, 16) == "Speculation: lookup, drafts up to 16 tokens."
             assert app.sub_title.endswith("speculation: lookup, drafts up to 16 tokens")
 
     run(main())
@@ -89,11 +95,8 @@ def test_speculation_panel_takes_a_medusa_heads_file(make_app):
             assert not screen.query_one("#spec-self-row").display
             _labels_clear_of_their_fields(screen)
             screen.query_one("#spec-heads").value = "/models/heads.gguf"
-            screen.query_one("#spec-k").value = "3"
-            screen.query_one("#spec-k").focus()
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
-            assert list(app._notifications)[-1].message == "Speculation: Medusa heads /models/heads.gguf, drafts up to 3 tokens."
+            assert await _apply_draft_length(pilot, app, screen, 3) == \
+                "Speculation: Medusa heads /models/heads.gguf, drafts up to 3 tokens."
 
     run(main())
     opts = SpeculationSettings(method="medusa", draft_model="/models/heads.gguf", draft_max=3).to_options()
