@@ -134,6 +134,14 @@ def test_heads_need_an_output_file_and_a_float_type(target, tmp_path):
     assert not (tmp_path / "q.gguf").exists()
 
 
+def test_torch_pickled_heads_are_refused_in_one_line_that_says_what_to_do(target, tmp_path):
+    src = _heads(target, tmp_path)
+    (src / "medusa_lm_head.safetensors").rename(src / "medusa_lm_head.pt")  # (its bytes are never read)
+    with pytest.raises(ConversionError, match="save it as medusa_lm_head.safetensors") as e:
+        convert_model(src, "f16", tmp_path / "x.gguf")
+    assert "\n" not in str(e.value) and not (tmp_path / "x.gguf").exists()
+
+
 def test_a_config_without_medusa_keys_is_not_taken_for_heads(target, tmp_path):
     src = _heads(target, tmp_path)
     cfg = json.loads((src / "config.json").read_text())

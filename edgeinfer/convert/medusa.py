@@ -123,6 +123,9 @@ def convert_medusa(folder: Path, config: dict[str, Any], outtype: str | None, ou
     if outtype not in MEDUSA_OUTTYPES:
         raise InvalidOptionError(f"Medusa heads are written as {', '.join(MEDUSA_OUTTYPES)}, not {outtype!r}")
     qtype = MEDUSA_OUTTYPES[outtype]
+    if (folder / "medusa_lm_head.pt").is_file() and not any(folder.glob("*.safetensors")):
+        raise ConversionError("medusa_lm_head.pt is a torch pickle, which edgeinfer does not unpickle (no torch): "
+                              "save it as medusa_lm_head.safetensors (safetensors.torch.save_file) and convert that")
     with open_checkpoint(folder) as ckpt:
         lay = _Layout(ckpt, config)
         plan: list[tuple[str, str, QT]] = []  # (gguf name, checkpoint name, type written)
