@@ -113,6 +113,9 @@ class HeadContext:
         """[len(rows), width] rows of the target's last decode, one per batch row (a copy)."""
         raise NotImplementedError
 
+    def before_decode(self, rows: DecodeRows) -> None:
+        """The target is about to decode `rows` (a head that must ask for something first: Medusa)."""
+
     def after_decode(self, rows: DecodeRows) -> None:
         """The target decoded `rows`: keep their tokens and hidden rows by sequence and position.
         Never raises into the scheduler: a failure resets the head (it drafts nothing until the

@@ -5,7 +5,9 @@ x + SiLU(W x + b) and a vocabulary projection, on the target's last hidden state
 norm. llama.cpp hands that state over with the logits: with `llama_set_embeddings` on, a causal
 model's context keeps, for each output row, the state its output layer read (`t_embd`,
 "result_norm"); the rows the scheduler asks logits for are exactly the ones a draft starts from
-(a prompt's last row, each verified row). So the heads need no context of their own, and cost
+(a prompt's last row, each verified row). It is switched on only around the scheduler's decodes
+that have few rows without output (llama.cpp then outputs every row): a prompt chunk's are not
+kept, so a request drafts from its second step on. So the heads need no context of their own, and cost
 per drafted token one head's matrix products in numpy (measured: benchmarks/RESULTS.md).
 
 Head i on the state at position t predicts the token at t + 2 + i. After a step the target holds
@@ -35,6 +37,9 @@ from .heads import HeadContext, target_step_bytes
 __all__ = ["MedusaWeights", "MedusaHeads", "open_medusa_heads", "medusa_cost_prior"]
 
 _ARCH = "medusa"
+# Rows without output a decode may hold for the heads to still keep its states (each costs the
+# output layer once: llama.cpp outputs every row while it keeps hidden states).
+_FORCED_ROWS = 8
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -111,27 +116,32 @@ class MedusaHeads(HeadContext):
         super().__init__(target, n_slots, cost_prior, weights.hidden)
         self.weights = weights
         self.max_draft = weights.n_heads
-        self._linked: Any = None
-        self._link()
+        self._keeping = False  # whether the target's context keeps this decode's hidden states
 
-    def _link(self) -> None:
-        """Have the target's context keep each output row's hidden state (its own, remade or not)."""
-        self.api.ll.llama_set_embeddings(self.target.ctx, True)
-        self._linked = self.target.ctx
+    def before_decode(self, rows: DecodeRows) -> None:
+        """Have the target keep each output row's hidden state for this decode, unless it holds more
+        than a few rows without output (a prompt chunk): with embeddings on, llama.cpp outputs every
+        row (logits included), which would cost a prompt the output layer once per token. Such a
+        decode's rows are not kept; drafting starts a step later."""
+        self._keeping = sum(1 for wanted in rows.logits if not wanted) <= _FORCED_ROWS
+        self.api.ll.llama_set_embeddings(self.target.ctx, self._keeping)  # (off again if a decode failed)
 
     def _target_rows(self, rows: DecodeRows) -> np.ndarray:
-        """The post-norm state of each output row; NaN for rows without output (never drafted from)."""
+        """The post-norm state of each output row; NaN for rows without one (never drafted from)."""
         out = np.full((len(rows), self.width), np.nan, np.float32)
-        ll, ctx = self.api.ll, self.target.ctx
-        if ctx is not self._linked:  # the target's context was made again: its rows are not kept yet
-            self._link()
+        if not self._keeping:
             return out
-        for i, wanted in enumerate(rows.logits):
-            if wanted:
-                ptr = ll.llama_get_embeddings_ith(ctx, i)
-                if not ptr:
-                    raise SpeculationError(f"the target kept no hidden state for row {i}")
-                out[i] = np.ctypeslib.as_array(ptr, shape=(self.width,))
+        ll, ctx = self.api.ll, self.target.ctx
+        self._keeping = False
+        try:
+            for i, wanted in enumerate(rows.logits):
+                if wanted:
+                    ptr = ll.llama_get_embeddings_ith(ctx, i)
+                    if not ptr:
+                        raise SpeculationError(f"the target kept no hidden state for row {i}")
+                    out[i] = np.ctypeslib.as_array(ptr, shape=(self.width,))
+        finally:  # off between decodes: a decode made outside the scheduler outputs what it asks for
+            ll.llama_set_embeddings(ctx, False)
         return out
 
     def _draft(self, jobs: list[DraftJob], forks: dict[int, Any], started: list[tuple[int, int]]) -> None:
@@ -170,15 +180,6 @@ class MedusaHeads(HeadContext):
                 if len(j.tokens) < j.k:
                     still.append(a)
             active = still
-
-    def close(self) -> None:
-        try:
-            if self.target.ctx is not None and self.target.ctx is self._linked:
-                self.api.ll.llama_set_embeddings(self.target.ctx, False)
-        finally:
-            self._linked = None
-            super().close()
-
 
 def open_medusa_heads(name: str, target_info: GGUFInfo, rt: LlamaRuntime, path: Path, n_slots: int) -> MedusaHeads:
     """The Medusa heads at `path` over this target, after checking they were made for its width and
