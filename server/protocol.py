@@ -86,7 +86,7 @@ def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) 
         base = edgeinfer.SpeculationOptions(method=method) if isinstance(method, str) else None
     elif method == server.method:
         base = server
-    elif method in ("draft", "self", "eagle3"):
+    elif method in ("draft", "self", "eagle3", "medusa"):
         raise _bad(f"speculation {method!r} needs a draft model this server did not open "
                    f"(it speculates with {server.method!r}: start it with --speculate {method}=...)", "speculation")
     elif method == "mtp":
@@ -95,7 +95,7 @@ def _speculation(body: Mapping[str, Any], server: edgeinfer.SpeculationOptions) 
     else:
         base = None
     if base is None:
-        raise _bad(f"'speculation' must be off, lookup, suffix, auto, draft, self, mtp or eagle3, got {method!r}",
+        raise _bad(f"'speculation' must be off, lookup, suffix, auto, draft, self, mtp, eagle3 or medusa, got {method!r}",
                    "speculation")
     try:
         return replace(base, **knobs).validate()

@@ -99,6 +99,18 @@ def sequence_chi_square(engine, prompt: Sequence[int], sampling: SamplingOptions
     return chi_square_of(expected, observed, n, key)
 
 
+def check_rejection_rule(engine, prompt: Sequence[int], sampling: SamplingOptions, speculation, n: int,
+                         length: int, label: str) -> tuple[int, int]:
+    """Sample `n` runs drafting with `speculation` and assert the chi-square of their first `length`
+    tokens against the target's own distribution does not reject at 1e-3; (drafted, accepted)."""
+    observed, drafted, accepted = sample_sequences(engine, prompt, sampling, speculation, n, length)
+    assert drafted >= 2 * n, (drafted, accepted)  # the rule ran: drafts every step
+    result, table = sequence_chi_square(engine, prompt, sampling, observed, n, length)
+    print(f"{label} chi-square p={result.pvalue:.3g}, accepted {accepted}/{drafted}")
+    assert result.pvalue > 1e-3, (result, table)
+    return drafted, accepted
+
+
 def chi_square_power(engine, prompt: Sequence[int], distribution: Distribution, wrong: Distribution, n: int,
                      length: int, alpha: float = 1e-3) -> tuple[float, float]:
     """(power, effect size w): the probability that the chi-square above, at level `alpha` over `n`

@@ -200,6 +200,17 @@ def test_a_library_warning_is_one_cli_line():
 
 
 @pytest.mark.slow
+def test_medusa_heads_that_are_not_heads_are_one_cli_line(default_model_path):
+    """`--speculate medusa=FILE` reads FILE as Medusa heads; a model given instead is one line and
+    exit code 1, before anything is generated."""
+    r = cli("run", "Say hi", "--speculate", f"medusa={default_model_path}", "-n", "2", "--threads", "1")
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"edgeinfer: error: {default_model_path.name} is not a file of Medusa heads "
+                                             "(a llama model): medusa=FILE takes heads converted with `edgeinfer "
+                                             "convert HEADS -o FILE`"], r.stderr
+
+
+@pytest.mark.slow
 def test_quantize_ends_without_resource_warnings():
     """`quantize` (its parent imports llama_cpp, which opens /dev/null twice) ends without
     `sys:1: ResourceWarning: unclosed file ... /dev/null`, even with those warnings switched on."""

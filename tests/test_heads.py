@@ -234,7 +234,7 @@ def test_a_random_head_is_rejected_and_switched_off(engines):
 def test_mtp_rejection_rule_keeps_the_targets_distribution(engines):
     """A head whose q is near the target's p but not equal (accepted often, rejected at times),
     drafting three tokens every step at T = 0.5: chi-square of the first three tokens over 100 seeds."""
-    from sequence_chi_square import sample_sequences, sequence_chi_square
+    from sequence_chi_square import check_rejection_rule
 
     engine = engines("close")
     prompt = PROMPTS[1]
@@ -242,13 +242,9 @@ def test_mtp_rejection_rule_keeps_the_targets_distribution(engines):
     # n = 100: the fewest runs that give three cells expected >= 5 times (60 give fewer); at alpha = 1e-3
     # the chi-square rejects the first three tokens drawn at twice the temperature (w = 0.57) with
     # power 0.93 (sequence_chi_square.chi_square_power).
-    n, length = 100, 3
-    observed, drafted, accepted = sample_sequences(engine, prompt, sampling, SpeculationOptions(method="mtp", **FIXED),
-                                                   n, length)
-    assert drafted >= 2 * n and 0 < accepted < drafted, (drafted, accepted)
-    result, table = sequence_chi_square(engine, prompt, sampling, observed, n, length)
-    print(f"mtp chi-square p={result.pvalue:.3g}, accepted {accepted}/{drafted}")
-    assert result.pvalue > 1e-3, (result, table)
+    drafted, accepted = check_rejection_rule(engine, prompt, sampling, SpeculationOptions(method="mtp", **FIXED),
+                                             100, 3, "mtp")
+    assert 0 < accepted < drafted, (drafted, accepted)
 
 
 # -- hybrid rollback ---------------------------------------------------------------------------------
@@ -439,20 +435,16 @@ def test_eagle3_greedy_output_is_token_identical_on_both_faces(eagle3):
 
 
 def test_eagle3_rejection_rule_keeps_the_targets_distribution(eagle3):
-    from sequence_chi_square import sample_sequences, sequence_chi_square
+    from sequence_chi_square import check_rejection_rule
 
     *_, d, engine = eagle3
     prompt = PROMPTS[2]
     sampling = SamplingOptions(temperature=0.3)  # this target's first tokens spread over six likely sequences
     # n = 100: at alpha = 1e-3 the chi-square rejects the first three tokens drawn at twice the
     # temperature (w = 0.91) with power 1.0 (60 runs: 0.86; sequence_chi_square.chi_square_power).
-    n, length = 100, 3
-    spec = SpeculationOptions(method="eagle3", draft_model=str(d), **FIXED)
-    observed, drafted, accepted = sample_sequences(engine, prompt, sampling, spec, n, length)
-    assert drafted >= 2 * n  # a random drafter: its q and the target's p barely overlap (rejections)
-    result, table = sequence_chi_square(engine, prompt, sampling, observed, n, length)
-    print(f"eagle3 chi-square p={result.pvalue:.3g}, accepted {accepted}/{drafted}")
-    assert result.pvalue > 1e-3, (result, table)
+    # A random drafter: its q and the target's p barely overlap (rejections).
+    check_rejection_rule(engine, prompt, sampling, SpeculationOptions(method="eagle3", draft_model=str(d), **FIXED),
+                         100, 3, "eagle3")
 
 
 def test_eagle3_refuses_what_is_not_its_drafter_in_one_line(eagle3, models):

@@ -367,7 +367,8 @@ def test_a_request_cannot_name_a_draft_model(server):
 
     client = server.client()
     for extra, words in (({"method": "draft", "draft_model": "/etc/passwd"}, "may set"),
-                         ("draft", "did not open"), ({"self_quant": "Q2_K"}, "may set"), ("nonsense", "must be")):
+                         ("draft", "did not open"), ("medusa", "did not open"), ({"self_quant": "Q2_K"}, "may set"),
+                         ("nonsense", "must be")):
         with pytest.raises(openai.BadRequestError, match=words):
             chat(client, "Hi", max_tokens=2, extra_body={"speculation": extra})
 

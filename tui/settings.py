@@ -23,6 +23,7 @@ SPECULATION_CHOICES: tuple[tuple[str, str], ...] = (
     ("draft", "Draft model"),
     ("self", "Self-draft (quantized copy)"),
     ("auto", "Auto (pick what pays)"),
+    ("medusa", "Medusa heads (a file)"),
 )
 
 _GENERATE = edgeinfer.DEFAULT_GENERATE
@@ -59,7 +60,7 @@ class SpeculationSettings:
     def to_options(self) -> edgeinfer.SpeculationOptions:
         return edgeinfer.SpeculationOptions(
             method=self.method,
-            draft_model=self.draft_model if self.method == "draft" else None,
+            draft_model=self.draft_model if self.method in ("draft", "medusa") else None,
             self_quant=self.self_quant,
             draft_max=self.draft_max,
         )
@@ -68,7 +69,8 @@ class SpeculationSettings:
         """In words: 'lookup, drafts up to 16 tokens', 'self-draft Q3_K_M, …', 'off'."""
         if self.method == "off":
             return "off"
-        what = {"draft": f"draft model {self.draft_model}", "self": f"self-draft {self.self_quant}"}.get(self.method, self.method)
+        what = {"draft": f"draft model {self.draft_model}", "self": f"self-draft {self.self_quant}",
+                "medusa": f"Medusa heads {self.draft_model}"}.get(self.method, self.method)
         return f"{what}, drafts up to {self.draft_max} tokens"
 
 

@@ -67,9 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_kv_options(p)
     add_placement_options(p, drafts=True)
     p.add_argument("--speculate", default="off", metavar="SPEC",
-                   help="off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp | eagle3=MODEL (output "
-                   "is unchanged, speed may be; suffix: continuations of earlier answers (this run's) and of the prompt; auto=MODEL: auto may draft with MODEL where it pays; mtp: the "
-                   "model's own MTP layer, e.g. Qwen3.5's; eagle3: an EAGLE-3 drafter made for the model)")
+                   help="off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp | eagle3=MODEL | medusa=HEADS "
+                   "(output is unchanged, speed may be; suffix: continuations of earlier answers (this run's) and of the prompt; "
+                   "auto=MODEL: auto may draft with MODEL where it pays; mtp: the "
+                   "model's own MTP layer, e.g. Qwen3.5's; eagle3: an EAGLE-3 drafter made for the model; medusa: a file of "
+                   "Medusa heads made for it, from `edgeinfer convert HEADS_FOLDER -o HEADS.gguf`)")
     p.add_argument("--draft", metavar="MODEL", help="draft model for --speculate auto or draft (same as auto=MODEL)")
     p.add_argument("--draft-max", type=int_range(0, INT32_MAX),
                    help=f"longest draft per step (default {edgeinfer.DEFAULT_SPECULATION.draft_max})")

@@ -112,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_placement_options(p, drafts=True)
     p.add_argument("--speculate", metavar="SPEC",
                    help="the default model's speculation for requests: off | lookup | suffix | auto | auto=MODEL | "
-                   "draft=MODEL | self=Q4_K_M | mtp | eagle3=MODEL (a draft model, self-draft or head is opened "
+                   "draft=MODEL | self=Q4_K_M | mtp | eagle3=MODEL | medusa=HEADS (a draft model, self-draft or head is opened "
                    "when the model loads, one "
                    "sequence per slot; suffix and auto draft from earlier answers, one memory per API key); a request may "
                    "turn it off or choose lookup or suffix with the extra body field "

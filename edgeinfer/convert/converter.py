@@ -39,6 +39,7 @@ from ..gguf_file import read_gguf
 from ..store import ModelManifest, Store, normalize_name
 from .arch import Architecture, HParams, TensorSpec, architecture_for
 from .embedding import adapt_checkpoint, read_embedding_spec
+from .medusa import MEDUSA_ARCH, convert_medusa, is_medusa_config
 from .quantized import QuantizedTensor, QuantScheme, scheme_for
 from .safetensors import FLOAT_DTYPES, Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
 from .tokenizer import load_vocab
@@ -433,7 +434,9 @@ def convert_model(
     threading.Event) is polled between tensors and raises Cancelled. `target` is the HF folder of
     the model a drafter (EAGLE-3) drafts for: its config supplies what the drafter's does not say
     (which layers it reads, their width) and its tokenizer the vocabulary when the drafter ships
-    none. Raises ConversionError (one line) on bad input; on any exception, Ctrl-C included, no
+    none. A folder of Medusa heads (config.json's medusa_num_heads: FasterDecoding/Medusa) becomes
+    a file of heads at `output` (required: it is not a model the store runs; convert/medusa.py).
+    Raises ConversionError (one line) on bad input; on any exception, Ctrl-C included, no
     file or manifest is left behind.
     """
     t0 = time.monotonic()
@@ -443,6 +446,13 @@ def convert_model(
     if outtype is not None and outtype not in OUTTYPE_CHOICES:
         raise InvalidOptionError(f"unknown outtype {outtype!r}; choose one of {', '.join(OUTTYPE_CHOICES)}")
     config = _read_json(folder / "config.json", "the model's configuration")
+    if is_medusa_config(config):  # heads, not a model: a file of ours, not registered (convert/medusa.py)
+        if output is None:
+            raise ConversionError(f"{folder.name} holds Medusa heads, which llama.cpp cannot load as a model (the "
+                                  "store keeps models only): give an output file (-o HEADS.gguf)")
+        out = Path(output).expanduser()
+        n, n_src, outtype = convert_medusa(folder, config, outtype, out)
+        return ConvertResult(out, None, MEDUSA_ARCH, outtype, n, n_src, out.stat().st_size, time.monotonic() - t0)
     arch = architecture_for(config)
     target_dir = Path(target).expanduser() if target is not None else None
     if target_dir is not None and not target_dir.is_dir():

@@ -11,6 +11,8 @@ from tui_helpers import open_screen, run, select_options, wait_for
 
 def _labels_clear_of_their_fields(screen) -> None:
     for row in screen.query(".field"):
+        if not row.display:
+            continue  # a row shown for another choice (the speculation panel's Medusa heads file)
         label, field = row.children[0], row.children[1]
         text = str(label.render())
         assert len(text) < label.content_region.width, f"{text!r} is cut or touches its field"
@@ -50,6 +52,16 @@ def test_settings_dialog_opens_on_the_system_prompt_and_enter_saves(make_app, ba
     run(main())
 
 
+async def _apply_draft_length(pilot, app, screen, k: int) -> str:
+    """Set the panel's draft length, apply it with Enter there; the notice the chat shows."""
+    screen.query_one("#spec-k").value = str(k)
+    screen.query_one("#spec-k").focus()
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
+    assert app._notifications
+    return list(app._notifications)[-1].message
+
+
 def test_speculation_dialog_focus_layout_and_notice(make_app, backend):
     import edgeinfer
 
@@ -63,14 +75,32 @@ def test_speculation_dialog_focus_layout_and_notice(make_app, backend):
             assert screen.query_one("#spec-k").value == str(edgeinfer.SpeculationOptions().draft_max)
             _labels_clear_of_their_fields(screen)
             screen.query_one("#spec-method").value = "lookup"
-            screen.query_one("#spec-k").value = "16"
-            screen.query_one("#spec-k").focus()
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatScreen")
-            assert app._notifications and list(app._notifications)[-1].message == "Speculation: lookup, drafts up to 16 tokens."
+            assert await _apply_draft_length(pilot, app, screen, 16) == "Speculation: lookup, drafts up to 16 tokens."
             assert app.sub_title.endswith("speculation: lookup, drafts up to 16 tokens")
 
     run(main())
+
+
+def test_speculation_panel_takes_a_medusa_heads_file(make_app):
+    """Medusa heads are a file (not a model of the store): the panel's Heads file field names it."""
+    from edgeinfer_tui.settings import SpeculationSettings
+
+    async def main() -> None:
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            screen = await open_screen(pilot, "ctrl+t", "SpeculationScreen")
+            screen.query_one("#spec-method").value = "medusa"
+            await wait_for(pilot, lambda: screen.query_one("#spec-heads-row").display)  # in the self-draft's place
+            assert not screen.query_one("#spec-self-row").display
+            _labels_clear_of_their_fields(screen)
+            screen.query_one("#spec-heads").value = "/models/heads.gguf"
+            assert await _apply_draft_length(pilot, app, screen, 3) == \
+                "Speculation: Medusa heads /models/heads.gguf, drafts up to 3 tokens."
+
+    run(main())
+    opts = SpeculationSettings(method="medusa", draft_model="/models/heads.gguf", draft_max=3).to_options()
+    assert (opts.method, opts.draft_model) == ("medusa", "/models/heads.gguf")
 
 
 def test_speculation_settings_describe_themselves_in_words():

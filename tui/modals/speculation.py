@@ -42,7 +42,7 @@ class SpeculationScreen(FormDialog):
     def compose(self) -> ComposeResult:
         s = self.settings
         draft_options = [(m, m) for m in self.models]
-        if s.draft_model and s.draft_model not in self.models:
+        if s.draft_model and s.draft_model not in self.models and s.method != "medusa":
             draft_options.insert(0, (s.draft_model, s.draft_model))
         with Vertical(classes="dialog"):
             yield Label(f"Speculative decoding  ({self.keys_hint.replace('save', 'apply')})", classes="title")
@@ -52,7 +52,14 @@ class SpeculationScreen(FormDialog):
             with Horizontal(classes="field"):
                 yield Label("Draft model")
                 yield Select(draft_options, value=s.draft_model if s.draft_model else Select.NULL, id="spec-draft")
-            with Horizontal(classes="field"):
+            # Medusa heads are a file, not a model of the store: their row takes the self-draft's place.
+            with Horizontal(classes="field", id="spec-heads-row") as row:
+                row.display = s.method == "medusa"
+                yield Label("Heads file")
+                yield Input(s.draft_model if s.method == "medusa" and s.draft_model else "",
+                            placeholder="medusa heads .gguf", id="spec-heads")
+            with Horizontal(classes="field", id="spec-self-row") as row:
+                row.display = s.method != "medusa"
                 yield Label("Self-draft quant")
                 yield Input(s.self_quant, id="spec-self")
             with Horizontal(classes="field"):
@@ -71,11 +78,20 @@ class SpeculationScreen(FormDialog):
                 yield Button("Cancel", id="cancel")
                 yield Button("Apply", variant="primary", id="save")
 
+    def on_select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "spec-method":
+            medusa = event.value == "medusa"
+            self.query_one("#spec-heads-row").display = medusa
+            self.query_one("#spec-self-row").display = not medusa
+
     def action_save(self) -> None:
         try:
+            method = str(self.query_one("#spec-method", Select).value)
             draft = self.query_one("#spec-draft", Select).value
+            if method == "medusa":
+                draft = self.query_one("#spec-heads", Input).value.strip() or Select.NULL
             new = SpeculationSettings(
-                method=str(self.query_one("#spec-method", Select).value),
+                method=method,
                 draft_model=None if draft is Select.NULL else str(draft),
                 self_quant=self.query_one("#spec-self", Input).value.strip().upper() or SpeculationSettings.self_quant,
                 draft_max=parse_number(self.query_one("#spec-k", Input).value, int, "Draft length"),

@@ -25,7 +25,7 @@ from ..speculation.policy import CostModel, plan_drafts
 from ..speculation.request_speculation import Proposal
 from .request import RequestState
 
-__all__ = ["plan", "heads_after_decode", "observe", "speculation_failed"]
+__all__ = ["plan", "heads_before_decode", "heads_after_decode", "observe", "speculation_failed"]
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +161,22 @@ def plan(core: StepCore, decoding: list[RequestState], chunks: list[tuple[Reques
     return out
 
 
+def heads_before_decode(core: StepCore, rows: DecodeRows) -> None:
+    """Tell every head which rows the target is about to decode (Medusa: whether to keep their
+    hidden states); failures as heads_after_decode's."""
+    _each_head(core, "before_decode", rows)
+
+
 def heads_after_decode(core: StepCore, rows: DecodeRows) -> None:
     """Hand every head the rows the target just decoded (prompt chunks included); a head that
     raises forgets everything, and the requests it drafts for go on plain."""
+    _each_head(core, "after_decode", rows)
+
+
+def _each_head(core: StepCore, call: str, rows: DecodeRows) -> None:
     for head in core.heads() if core.heads is not None else ():
         try:
-            head.after_decode(rows)
+            getattr(head, call)(rows)
         except Exception as e:  # noqa: BLE001 - see the module
             log.exception("the %s head failed; its requests go on without speculation", head.method)
             _forget(head, list(range(head.n_slots)))

@@ -21,6 +21,7 @@ from ...llama_backend import env_threads, max_threads, threads_out_of_range
 from ...kv_types import KV_TYPE_NAMES, flash_attn_for, kv_cache_type
 
 __all__ = [
+    "HEAD_METHODS",
     "KVType",
     "LoadOptions",
     "SamplingOptions",
@@ -37,7 +38,8 @@ __all__ = [
 
 KVType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
 KV_TYPES: tuple[str, ...] = KV_TYPE_NAMES  # edgeinfer.kv_types: the one list
-SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "suffix", "draft", "self", "auto", "mtp", "eagle3")
+SPECULATION_METHODS: tuple[str, ...] = ("off", "lookup", "suffix", "draft", "self", "auto", "mtp", "eagle3", "medusa")
+HEAD_METHODS: tuple[str, ...] = ("mtp", "eagle3", "medusa")  # drafters that read the target's hidden states
 
 _INT32_MAX = 2**31 - 1  # llama.cpp takes counts and sizes as int32/uint32: larger ones would wrap
 
@@ -214,10 +216,12 @@ class SpeculationOptions:
             | self (a quantized copy of the target, `self_quant`) | auto (pick what pays)
             | mtp (the model's own multi-token-prediction layer, e.g. Qwen3.5's)
             | eagle3 (an EAGLE-3 drafter for this model, `draft_model`)
+            | medusa (Medusa heads for this model, a file converted from FasterDecoding/Medusa's
+              layout, `draft_model`)
     """
 
     method: str = "off"
-    draft_model: str | None = None  # store ref or path, for method="draft" and "eagle3" (auto: optional)
+    draft_model: str | None = None  # store ref or path, for "draft", "eagle3" and "medusa" (auto: optional)
     self_quant: str = "Q3_K_M"  # quant type of the self-draft copy, for method="self"
     draft_max: int = 32
     draft_min: int = 0
@@ -242,8 +246,9 @@ class SpeculationOptions:
             raise InvalidOptionError(
                 f"unknown speculation method {self.method!r}: choose one of {', '.join(SPECULATION_METHODS)}"
             )
-        if self.method in ("draft", "eagle3") and not self.draft_model:
-            what = "a draft model" if self.method == "draft" else "an EAGLE-3 drafter model"
+        if self.method in ("draft", "eagle3", "medusa") and not self.draft_model:
+            what = {"draft": "a draft model", "eagle3": "an EAGLE-3 drafter model",
+                    "medusa": "a file of Medusa heads"}[self.method]
             raise InvalidOptionError(f"speculation method {self.method!r} needs {what} ({self.method}=MODEL)")
         if not 1 <= self.draft_max <= 64:
             raise InvalidOptionError(f"draft_max must be in [1, 64], got {self.draft_max}")
@@ -256,12 +261,12 @@ class SpeculationOptions:
     @classmethod
     def parse(cls, spec: str, **overrides: object) -> SpeculationOptions:
         """Parse the CLI form: off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp
-        | eagle3=MODEL (auto=MODEL: auto may also draft with MODEL where it pays)."""
+        | eagle3=MODEL | medusa=HEADS (auto=MODEL: auto may also draft with MODEL where it pays)."""
         _instance("", "speculation", spec, str, "a string like 'lookup' or 'self=Q4_K_M'")
         spec = spec.strip()
         method, _, arg = spec.partition("=")
         kw: dict[str, object] = {"method": method}
-        if method in ("draft", "eagle3") or (method == "auto" and arg):
+        if method in ("draft", "eagle3", "medusa") or (method == "auto" and arg):
             kw["draft_model"] = arg or None
         elif method == "self":
             if arg:

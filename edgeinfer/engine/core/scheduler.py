@@ -216,6 +216,7 @@ class Scheduler:
                 r.seq.rows([r.history[-1], *drafts[i]], 0, into=rows)  # type: ignore[union-attr]
             shape.append((seq_id, len(rows) - start))
 
+        drafting.heads_before_decode(self, rows)
         t0 = time.perf_counter()
         try:
             if self.abortable and chunks:

@@ -45,7 +45,7 @@ from ..core.events import ScoredTokenEvent
 from .common import ModelFace
 from ..llama.flash_choice import with_measured_flash_attn
 from ..llama.runtime import LlamaRuntime
-from ..core.options import BatchOptions, GenerateOptions, LoadOptions, SpeculationOptions
+from ..core.options import HEAD_METHODS, BatchOptions, GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.request import RequestState
 from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler, Slot
@@ -143,7 +143,7 @@ class BatchEngine(ModelFace):
         spec = speculation_options(speculation) if speculation is not None else None
         # A drafting head reads the target's hidden states by batch row, and llama.cpp reorders
         # only logits when it cuts a batch into per-stream ubatches: with heads, one cache.
-        unified = self.batch_options.kv_unified or mtp or (spec is not None and spec.method in ("mtp", "eagle3"))
+        unified = self.batch_options.kv_unified or mtp or (spec is not None and spec.method in HEAD_METHODS)
         # flash attention left to us: the verdict measured for this layout, as on Engine (a stream per
         # slot attends as one sequence does; one cache for every slot is a layout of its own: flash_choice)
         self._flash_slots = n if unified and n > 1 else 1

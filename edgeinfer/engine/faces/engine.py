@@ -153,10 +153,11 @@ class Engine(ModelFace):
         """Make the draft model a speculation needs ready before generating with it.
 
         `speculation` is SpeculationOptions or the CLI form ("lookup", "draft=MODEL",
-        "self=Q4_K_M", "mtp", "eagle3=MODEL"). A self-draft is taken from the store or, on first
+        "self=Q4_K_M", "mtp", "eagle3=MODEL", "medusa=HEADS"). A self-draft is taken from the store or, on first
         use, made by the quantizer and registered (seconds to minutes); a draft model is validated,
         loaded and checked against this model's vocabulary; a head (mtp: the model's own MTP layer;
-        eagle3: an EAGLE-3 drafter for it) is linked to the model's context, and a hybrid model
+        eagle3: an EAGLE-3 drafter for it; medusa: a file of Medusa heads for it, evaluated in
+        numpy on the hidden states the model's context then keeps) is linked to the model's context, and a hybrid model
         (Qwen3.5) first gets rollback snapshots, which empties its cache. `progress` receives
         SpeculationProgress events (stage "quantize" with done/total tensors, "load", "ready") from
         the working thread;

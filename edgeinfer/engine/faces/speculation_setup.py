@@ -5,7 +5,7 @@ quantizer on first use and registered in the store — so it is an explicit step
 progress and can be cancelled (Engine.prepare_speculation), never hidden in a request's first
 step behind the engine's lock.
 
-A head (mtp, eagle3=MODEL; speculation/heads.py) links a context to the target's and switches
+A head (mtp, eagle3=MODEL, medusa=HEADS; speculation/heads.py, medusa.py) links a context to the target's and switches
 on the target's hand-over of hidden states, and a hybrid target (Qwen3.5: Gated DeltaNet layers)
 needs its context made again with rollback snapshots before anything can be drafted on it: both
 only while nothing else uses the target's context (`exclusive`), so a BatchEngine chooses its
@@ -29,17 +29,18 @@ from ...store import ModelManifest, Store
 from ...validate import admit
 from ..core.events import SpeculationProgress
 from ..llama.runtime import LlamaRuntime
-from ..core.options import LoadOptions, SpeculationOptions
+from ..core.options import HEAD_METHODS, LoadOptions, SpeculationOptions
 from ..speculation.draft_model import DraftContext, check_draft_compatible
 from ..speculation.head_models import auto_head_key, open_eagle3_head, open_mtp_head
 from ..speculation.heads import ROLLBACK_DEPTH, HeadContext
+from ..speculation.medusa import open_medusa_heads
 
 __all__ = ["DraftModels", "TargetModel", "ProgressCallback", "draft_key", "Exclusive"]
 
 ProgressCallback = Callable[[SpeculationProgress], None]
 # Holds the target's context for the caller alone while it is made again or linked to a head.
 Exclusive = Callable[[], contextlib.AbstractContextManager[Any]]
-_HEADS = ("mtp", "eagle3")
+_HEADS = HEAD_METHODS
 log = logging.getLogger(__name__)
 
 _FULL_PRECISION = ("F32", "F16", "BF16", "ALL_F32")
@@ -66,8 +67,8 @@ def draft_key(spec: SpeculationOptions) -> tuple[str, str] | None:
         return ("draft", str(spec.draft_model))
     if spec.method == "mtp":
         return ("mtp", "")
-    if spec.method == "eagle3":
-        return ("eagle3", str(spec.draft_model))
+    if spec.method in ("eagle3", "medusa"):
+        return (spec.method, str(spec.draft_model))
     return None
 
 
@@ -179,6 +180,9 @@ class DraftModels:
                 report(SpeculationProgress("load", f"opening the {key[0]} head"))
                 if key[0] == "mtp":
                     head = open_mtp_head(self.target.name, self.target.info, rt, self._n_slots)
+                elif key[0] == "medusa":  # not a model llama.cpp loads: read and checked by us
+                    path, _ = self.target.store.resolve(key[1])
+                    head = open_medusa_heads(self.target.name, self.target.info, rt, Path(path), self._n_slots)
                 else:
                     path, _ = self.target.store.resolve(key[1])
                     info = admit(path, self.target.store)  # validated, and loaded once in a child

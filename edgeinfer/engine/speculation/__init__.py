@@ -8,6 +8,7 @@ a step together, verifies them in one `llama_decode` and keeps those the target 
     lookup.py       prompt lookup: the n-gram index (pure Python)
     draft_model.py  a second model drafting in its own context, one sequence per slot
     heads.py        drafting heads that read the target's hidden states (MTP layer, EAGLE-3)
+    medusa.py       Medusa heads, evaluated in numpy on the target's last hidden state
     head_models.py  opening a head for a target, after the checks llama.cpp would abort on
     calibration.py  the target's decode cost by batch size, measured one way (bench, idle servers)
     request_speculation.py  one request's speculation: its proposals and what it learns
@@ -20,6 +21,7 @@ from .draft_model import DraftContext, ModelDrafter, check_draft_compatible, rel
 from .request_speculation import Proposal, RequestSpeculation
 from .heads import Eagle3Head, HeadContext, HeadDrafter, MtpHead
 from .lookup import LookupMatch, NgramIndex
+from .medusa import MedusaHeads
 from .policy import AcceptanceModel, CostModel, LengthPolicy, break_even_draft_cost, plan_drafts
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "MtpHead",
     "Eagle3Head",
     "HeadDrafter",
+    "MedusaHeads",
     "Proposal",
     "RequestSpeculation",
     "check_draft_compatible",

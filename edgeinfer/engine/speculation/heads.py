@@ -38,7 +38,7 @@ from .draft_model import DraftJob, ModelDrafter, draft_token
 from .policy import CostModel, LengthPolicy
 
 __all__ = ["HeadContext", "MtpHead", "Eagle3Head", "HeadDrafter", "ROLLBACK_DEPTH", "mtp_cost_prior",
-           "eagle3_cost_prior"]
+           "eagle3_cost_prior", "target_step_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class HeadContext:
         self.cost_prior = cost_prior  # a drafted token in target steps, until drafting measures it
         self.timed = 0  # drafts made (the first ones are not timed: see HeadDrafter.drafted)
         self.width = width
+        self.max_draft = 64  # the most tokens it drafts a step (Medusa: one per head)
         self.api = ext()
         self.ctx: Any = None
         self.batch: ExtBatch | None = None
@@ -108,16 +109,19 @@ class HeadContext:
         self.batch.process(encode=encode)
 
     # -- what a target decode hands over ----------------------------------------------------------
-    def _target_rows(self, n: int) -> np.ndarray:
-        """[n, width] rows of the target's last decode, one per batch row (a copy)."""
+    def _target_rows(self, rows: DecodeRows) -> np.ndarray:
+        """[len(rows), width] rows of the target's last decode, one per batch row (a copy)."""
         raise NotImplementedError
+
+    def before_decode(self, rows: DecodeRows) -> None:
+        """The target is about to decode `rows` (a head that must ask for something first: Medusa)."""
 
     def after_decode(self, rows: DecodeRows) -> None:
         """The target decoded `rows`: keep their tokens and hidden rows by sequence and position.
         Never raises into the scheduler: a failure resets the head (it drafts nothing until the
         target's sequences are read again)."""
         try:
-            aux = self._target_rows(len(rows))
+            aux = self._target_rows(rows)
             i, n = 0, len(rows)
             while i < n:
                 s, j = rows.seqs[i], i
@@ -305,11 +309,11 @@ class MtpHead(HeadContext):
         self.api.set_embeddings_nextn(target.ctx, True, False)
         self._open(target.model, mtp=True)
 
-    def _target_rows(self, n: int) -> np.ndarray:
+    def _target_rows(self, rows: DecodeRows) -> np.ndarray:
         ptr = self.api.get_embeddings_nextn(self.target.ctx)
         if not ptr:
             raise SpeculationError("the target's decode kept no hidden states")
-        return np.ctypeslib.as_array(ptr, shape=(n, self.width)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(len(rows), self.width)).copy()
 
 
 class Eagle3Head(HeadContext):
@@ -334,9 +338,9 @@ class Eagle3Head(HeadContext):
         self._open(model, mtp=False)
         self._enc = ExtBatch(self.ctx)
 
-    def _target_rows(self, n: int) -> np.ndarray:
+    def _target_rows(self, rows: DecodeRows) -> np.ndarray:
         """The target layers' inputs, [n, 3 x n_embd] (encoded into g later: see _store)."""
-        t = self.target
+        t, n = self.target, len(rows)
         parts = []
         for lid in self.layers:
             ptr = (self.api.get_embeddings_layer_inp(t.ctx, lid) if lid < t.facts.n_layer
@@ -463,9 +467,14 @@ def mtp_cost_prior(info: GGUFInfo, trunk_layers: int) -> float:
     return head / trunk if trunk else 0.3
 
 
+def target_step_bytes(target: GGUFInfo) -> int:
+    """What one decode step of the target reads on a memory-bound CPU: its blocks and output layer."""
+    return _bytes(target, lambda n: n.startswith("blk.")) + _output_bytes(target)
+
+
 def eagle3_cost_prior(drafter: GGUFInfo, target: GGUFInfo) -> float:
     """A drafted token of an EAGLE-3 drafter in target steps (bytes read, as mtp_cost_prior)."""
-    trunk = _bytes(target, lambda n: n.startswith("blk.")) + _output_bytes(target)
+    trunk = target_step_bytes(target)
     own = _bytes(drafter, lambda n: n != "token_embd.weight" and n != "d2t")
     return own / trunk if trunk else 0.3
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..core.events import SpeculationStats
-from ..core.options import SpeculationOptions
+from ..core.options import HEAD_METHODS, SpeculationOptions
 from ..core.sampler import Sampler
 from ..core.sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
@@ -85,7 +85,7 @@ class RequestSpeculation:
             # evidence like a run: the tree's frequencies scale it along the draft.
             self.suffix_policy.resumed = AcceptanceModel(prior=_FULL_SUFFIX_PRIOR)
         self.model: ModelDrafter | None = None
-        if isinstance(draft, HeadContext) and spec.method in ("mtp", "eagle3", "auto"):
+        if isinstance(draft, HeadContext) and spec.method in (*HEAD_METHODS, "auto"):
             # A head drafts from the target's own states (its catching up is one batched decode):
             # the same policy as a draft model, the same limit on unprofitable explorations.
             self.model = HeadDrafter(draft, LengthPolicy(costs, spec, max_failed_explorations=2), spec.p_min)
@@ -150,6 +150,8 @@ class RequestSpeculation:
         if model is not None and model.enabled:
             policy = model.policy
             limit = policy.limit(room)
+            if isinstance(model, HeadDrafter):
+                limit = min(limit, model.head.max_draft)  # Medusa: a token per head at most
             if limit > 0:
                 kind = "head" if isinstance(model, HeadDrafter) else "model"
                 proposal = Proposal(kind, policy, limit, policy.gains(limit), draft_cost=model.draft_cost(),
