@@ -53,7 +53,8 @@ __all__ = [
 
 SUPPORTED_METHODS = (
     "fp8 (block or channel scales), fbgemm_fp8, awq (gemm, 4-bit), gptq (2/4/8-bit), "
-    "compressed-tensors (float-quantized, pack-quantized, int-quantized, naive-quantized)"
+    "compressed-tensors (float-quantized, pack-quantized, int-quantized, naive-quantized, "
+    "nvfp4-pack-quantized, mxfp4-pack-quantized), modelopt (NVFP4, FP8)"
 )
 _AWQ_REVERSE_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # inverse of AWQ's packing order [0,2,4,6,1,3,5,7]
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -146,6 +147,10 @@ class QuantizedTensor:
         raise NotImplementedError
 
     def direct_type(self) -> QT | None:
+        return None
+
+    def tensor_scale(self) -> float | None:
+        """A per-tensor multiplier GGUF must carry beside the direct blocks (`<name>.scale`), if any."""
         return None
 
     def direct_rows(self, qtype: QT, r0: int, r1: int) -> DirectBlocks:  # pragma: no cover
