@@ -620,13 +620,18 @@ class Store:
     # -- garbage ---------------------------------------------------------------------------------
     def garbage(self, names: Collection[str] | None = None) -> list[Garbage]:
         """Files under the store that nothing uses: partial writes (`*.partial`) whose writer is
-        gone, and model files (`*.gguf`) in the models folder that no manifest names.
+        gone, and model files (`*.gguf`) in the models folder that no manifest names (nor records as
+        its importance matrix).
 
         Only files older than this process count, and none a live writer holds (the flock of
         `atomic_path`, the `writing` lock of the name). `names` limits it to those models' folders.
         """
         started = _process_start()
-        named = {os.path.realpath(m.file) for m in self.list()}
+        models = self.list()
+        named = {os.path.realpath(m.file) for m in models}
+        # a model's importance matrix (imatrix_compute) lives beside it while its manifest records it
+        named |= {os.path.realpath(rec["file"]) for m in models
+                  if isinstance(rec := m.metrics.get("imatrix"), dict) and isinstance(rec.get("file"), str)}
         for path in self.manifests_dir.glob("*/*.json"):  # a damaged manifest may still name its file
             with contextlib.suppress(OSError, ValueError, RecursionError):
                 data = json.loads(path.read_bytes()[:_MAX_MANIFEST_BYTES]) if path.is_file() else None
