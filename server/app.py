@@ -37,12 +37,16 @@ from edgeinfer.service import ModelPlan, ModelService
 from . import metrics as prom
 from .browser import BrowserGuard
 from .config import ServerConfig, check_credentials
+from .dialects import dialect_routes
+from .dialects.shapes import OPENAI, ErrorShape, shape_for_path
 from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
-from .protocol import ParsedRequest, Responder, finish_reason, parse_chat, parse_completion
-from .routing import acquire, keep_alive_field, model_field, models_body, plan_for, ps_body, stop_model
+from .protocol import ParsedRequest, finish_reason, parse_chat, parse_completion
+from .reply import OpenAIReply, Reply, ReplyContext, ReplyFactory
+from .routing import acquire, keep_alive_field, model_field, models_body, on_disconnect, plan_for, ps_body, stop_model
 from .slots import handle_slots
 from .tools import prepare_chat
+from . import webpage
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
@@ -98,16 +102,16 @@ def _media_type(value: str) -> str:
 
 
 class _EventStream(Response):
-    """Server-sent events from an async iterator of `data: ...` strings. `on_close` runs however
-    the response ends (finished, cancelled, or never started because the client was gone)."""
+    """A stream of text pieces from an async iterator (server-sent events, or NDJSON lines).
+    `on_close` runs however the response ends (finished, cancelled, or never started because the
+    client was gone)."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None], media_type: str):
         self.chunks = chunks
         self.on_close = on_close
         self.status_code = 200
         self.background = None
+        self.media_type = media_type
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,11 +260,14 @@ class _Service:
         return release
 
     # -- generation ------------------------------------------------------------------------------
-    async def generate(self, request: Request, parsed: ParsedRequest, plan: ModelPlan,
-                       keep_alive: float | None) -> Response:
+    async def generate(self, request: Request, parsed: ParsedRequest, plan: ModelPlan, keep_alive: float | None,
+                       reply: ReplyFactory = OpenAIReply) -> Response:
+        """The one request path of every generation route; `reply` turns its events into the
+        route's dialect (server/reply.py)."""
+        started = time.perf_counter()
         admitted = self.admit(plan)
         try:
-            lease = await acquire(self.models, parsed.model, keep_alive)
+            lease = await acquire(self.models, parsed.model, keep_alive, request)
         except BaseException:
             admitted()
             raise
@@ -270,6 +277,7 @@ class _Service:
             lease.release()
 
         engine = lease.engine
+        loaded = time.perf_counter()
         try:
             options, tools = parsed.options, None
             if parsed.kind == "chat":
@@ -281,8 +289,9 @@ class _Service:
                 tokens = list(parsed.prompt)
             loop = asyncio.get_running_loop()
             wake = asyncio.Event()
-            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
-                                notify=lambda: loop.call_soon_threadsafe(wake.set))
+            # (the check compiles a grammar against the vocabulary: in a worker thread, as the parse)
+            gen = await run_in_threadpool(lambda: engine.submit(tokens, options, logprobs=parsed.logprobs,
+                                                                notify=lambda: loop.call_soon_threadsafe(wake.set)))
             if tools is not None:  # content and tool calls parsed out of the text
                 gen = tools.wrap(gen)
         except edgeinfer.EdgeInferError as e:
@@ -300,14 +309,14 @@ class _Service:
         except BaseException:
             release()
             raise
-        responder = Responder(parsed, engine.name, engine.token_bytes)
+        answer = reply(ReplyContext(parsed, engine.name, engine.token_bytes, len(tokens), loaded - started, started))
         if parsed.stream:
             def close() -> None:
                 gen.close()  # a client gone mid-stream cancels the request: its slot is free at the next step
                 release()
 
-            return _EventStream(self._stream(request, gen, wake, responder), close)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+            return _EventStream(self._stream(request, gen, wake, answer), close, answer.media_type)
+        watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:  # the lease is held until the response is built (logprobs read the model's vocabulary)
             try:
                 tokens_seen: list[edgeinfer.TokenEvent] = []
@@ -326,33 +335,34 @@ class _Service:
             assert done is not None
             _note(request, done)
             try:
-                return JSONResponse(responder.complete(tokens_seen, done))
+                return answer.whole(tokens_seen, done)
             except edgeinfer.EngineClosedError:  # stopped (edgeinfer stop) before its logprobs were read
                 raise APIError(503, f"{engine.name} was unloaded while this request ran", type="server_error",
                                code="unavailable", headers={"Retry-After": "1"}) from None
         finally:
             release()
 
-    async def _stream(self, request: Request, gen, wake: asyncio.Event, responder: Responder) -> AsyncIterator[str]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+    async def _stream(self, request: Request, gen, wake: asyncio.Event, reply: Reply) -> AsyncIterator[str]:
+        watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:
-            first = responder.first_chunk()
-            if first is not None:
-                yield _sse(first)
+            for piece in reply.opening():
+                yield piece
             async for batch in _events(gen, wake, self.config.keepalive_s):
                 if not batch:
-                    yield ": keepalive\n\n"
+                    keepalive = reply.keepalive()
+                    if keepalive:
+                        yield keepalive
                     continue
-                for chunk in responder.delta_chunks(batch):
-                    yield _sse(chunk)
+                for piece in reply.events(batch):
+                    yield piece
                 done = next((e for e in batch if isinstance(e, edgeinfer.DoneEvent)), None)
                 if done is not None:
                     _note(request, done)
-                    for chunk in responder.last_chunks(done):
-                        yield _sse(chunk)
-                    yield "data: [DONE]\n\n"
+                    for piece in reply.closing(done):
+                        yield piece
         except edgeinfer.EdgeInferError as e:
-            yield _sse(APIError(500, str(e), type="server_error").body())
+            for piece in reply.failure(APIError(500, str(e), type="server_error")):
+                yield piece
         finally:
             watcher.cancel()
 
@@ -361,15 +371,16 @@ class _Service:
         body = await self.read_json(request)
         plan = await plan_for(self.models, model_field(body))  # the model's context and speculation
         keep_alive = keep_alive_field(body)
-        return await self.generate(request, parse_chat(body, self.max_tokens_limit(plan), plan.speculation), plan,
-                                   keep_alive)
+        # (a schema or grammar is compiled and checked while parsing: in a worker thread, not on the event loop)
+        parsed = await run_in_threadpool(parse_chat, body, self.max_tokens_limit(plan), plan.speculation)
+        return await self.generate(request, parsed, plan, keep_alive)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
         plan = await plan_for(self.models, model_field(body))
         keep_alive = keep_alive_field(body)
-        return await self.generate(request, parse_completion(body, self.max_tokens_limit(plan), plan.speculation),
-                                   plan, keep_alive)
+        parsed = await run_in_threadpool(parse_completion, body, self.max_tokens_limit(plan), plan.speculation)
+        return await self.generate(request, parsed, plan, keep_alive)
 
     async def models_list(self, request: Request) -> Response:
         return JSONResponse(await run_in_threadpool(models_body, self.models, self.started))
@@ -417,16 +428,6 @@ async def _events(gen, wake: asyncio.Event, keepalive_s: float | None) -> AsyncI
                 yield []
 
 
-async def _cancel_on_disconnect(request: Request, gen) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gen.cancel()
-            return
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfig | None = None) -> Starlette:
@@ -436,30 +437,31 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
     if isinstance(models, edgeinfer.BatchEngine):
         models = ModelService.adopt(models)
     service = _Service(models, config)
-    open_paths = {"/health"}
+    open_paths = {"/health", *webpage.PAGE_PATHS}  # the chat page asks for the key itself
 
-    def endpoint(name: str, handler):
+    def endpoint(name: str, handler, shape: ErrorShape = OPENAI):
+        """A route's handler behind the key check, with its errors in its dialect's shape."""
         async def run(request: Request) -> Response:
             try:
-                if request.url.path not in open_paths and not check_credentials(
-                        config, request.headers.get("authorization")):
-                    raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                   code="invalid_api_key")
+                if request.url.path not in open_paths and not shape.authorized(config, request.headers):
+                    raise APIError(401, shape.key_hint, code="invalid_api_key")
                 response = await handler(request)
             except APIError as e:
-                response = e.response()
-            except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing went wrong
-                log.debug("%s: the client disconnected before its request body was complete", name)
+                response = shape.render(e)
+            except ClientDisconnect:  # gone while sending its body or waiting for its model: nobody to answer
+                log.debug("%s: the client disconnected before its answer began", name)
                 response = Response(status_code=CLIENT_GONE)
             except Exception:  # the server keeps serving; the client gets a 500 object
                 log.exception("%s failed", name)
-                response = APIError(500, "internal server error", type="server_error").response()
+                response = shape.render(APIError(500, "internal server error", type="server_error"))
             service.http.count(name, response.status_code)
             return response
 
         return run
 
     routes = [
+        Route("/", endpoint("page", webpage.index), methods=["GET"]),  # (and HEAD)
+        Route("/web/{name}", endpoint("page", webpage.asset), methods=["GET"]),
         Route("/v1/chat/completions", endpoint("chat_completions", service.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", service.completions), methods=["POST"]),
         Route("/v1/embeddings", endpoint("embeddings", lambda request: handle_embeddings(service, request)),
@@ -470,12 +472,16 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
         Route("/slots/{id_slot}", endpoint("slots", lambda request: handle_slots(service, request)), methods=["POST"]),
         Route("/edgeinfer/ps", endpoint("ps", service.ps), methods=["GET"]),
         Route("/edgeinfer/stop", endpoint("stop", service.stop), methods=["POST"]),
+        *dialect_routes(service, endpoint),
     ]
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
-        return APIError(status, f"no route {request.method} {request.url.path}",
-                        code="not_found" if status == 404 else "method_not_allowed").response()
+        return shape_for_path(request.url.path).render(APIError(
+            status, f"no route {request.method} {request.url.path}",
+            code="not_found" if status == 404 else "method_not_allowed"))
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
-                     middleware=[Middleware(_AccessLog), Middleware(BrowserGuard, config=config)])
+                     middleware=[Middleware(_AccessLog),
+                                 Middleware(BrowserGuard, config=config,
+                                            render=lambda path, e: shape_for_path(path).render(e))])

@@ -17,7 +17,10 @@ Requests without an Origin header (curl, SDKs, servers) are not affected by the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .config import ServerConfig, host_allowed, normalize_origin
@@ -25,7 +28,7 @@ from .errors import APIError
 
 __all__ = ["BrowserGuard"]
 
-_ALLOW_METHODS = "GET, POST, OPTIONS"
+_ALLOW_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"  # DELETE: Ollama's /api/delete
 _PREFLIGHT_MAX_AGE = "600"
 _EXPOSE = "Retry-After"
 
@@ -38,9 +41,11 @@ def same_origin(origin: str, host: str | None) -> bool:
 class BrowserGuard:
     """ASGI middleware: the Host and Origin checks, CORS preflights and headers."""
 
-    def __init__(self, app: ASGIApp, config: ServerConfig):
+    def __init__(self, app: ASGIApp, config: ServerConfig,
+                 render: Callable[[str, APIError], Response] | None = None):
         self.app = app
         self.config = config
+        self.render = render or (lambda path, error: error.response())  # (path, error): the path's dialect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,6 +101,5 @@ class BrowserGuard:
         await send({"type": "http.response.start", "status": 204, "headers": out})
         await send({"type": "http.response.body", "body": b""})
 
-    @staticmethod
-    async def _refuse(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
-        await error.response()(scope, receive, send)
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
+        await self.render(scope.get("path", ""), error)(scope, receive, send)

@@ -21,7 +21,8 @@ import asyncio
 import base64
 import json
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,10 @@ from starlette.responses import Response
 import edgeinfer
 
 from .errors import APIError, from_library_error
-from .routing import acquire, keep_alive_field
+from .routing import acquire, keep_alive_field, on_disconnect
 
-__all__ = ["EmbeddingsRequest", "parse_embeddings", "embeddings_body", "handle_embeddings", "MAX_INPUTS"]
+__all__ = ["EmbeddingsRequest", "parse_embeddings", "embeddings_body", "handle_embeddings", "run_embeddings",
+           "MAX_INPUTS"]
 
 MAX_INPUTS = 2048  # inputs per request, as OpenAI's API
 _FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "pooling", "normalize", "prompt_name", "truncate",
@@ -136,27 +138,29 @@ def embeddings_body(result: Any, model: str, as_base64: bool) -> bytes:
     return json.dumps({"object": "list", "data": data, "model": model, "usage": usage}).encode()
 
 
-async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            cancel.set()
-            return
-
-
 async def handle_embeddings(service: Any, request: Request) -> Response:
     """The route: `service` is the app's (its read_json and its model service, `models`)."""
     body = await service.read_json(request)
     parsed = parse_embeddings(body)
     keep_alive = keep_alive_field(body)
-    lease = await acquire(service.models, parsed.model, keep_alive)
+    return await run_embeddings(service, request, parsed, keep_alive,
+                                lambda result, model, load_s: embeddings_body(result, model, parsed.base64))
+
+
+async def run_embeddings(service: Any, request: Request, parsed: EmbeddingsRequest, keep_alive: float | None,
+                         body: Callable[[edgeinfer.EmbeddingResult, str, float], bytes]) -> Response:
+    """The one embeddings path (OpenAI's route and Ollama's): the model leased, the vectors computed
+    in a worker thread, `body(result, model name, seconds waiting for the model)` encoded there too."""
+    started = time.perf_counter()
+    lease = await acquire(service.models, parsed.model, keep_alive, request)
+    load_s = time.perf_counter() - started
     engine = lease.engine
     cancel = threading.Event()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
+    watcher = asyncio.create_task(on_disconnect(request, cancel.set))
     inputs = [x if isinstance(x, str) else list(x) for x in parsed.inputs]
     try:
         result = await run_in_threadpool(lambda: engine.embed(inputs, parsed.options, cancel=cancel))
-        content = await run_in_threadpool(embeddings_body, result, engine.name, parsed.base64)
+        content = await run_in_threadpool(body, result, engine.name, load_s)
     except edgeinfer.Cancelled:
         return Response(status_code=_CLIENT_GONE)
     except edgeinfer.ContextLengthError as e:

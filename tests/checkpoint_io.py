@@ -56,7 +56,7 @@ def dequantized_folder(src: Path, dst: Path, weights: dict[str, np.ndarray]) -> 
 
 def read_quantized(folder: Path):
     """(open checkpoint, {logical weight name: QuantizedTensor}, consumed names) of a quantized folder."""
-    from edgeinfer.convert.schemes import scheme_for
+    from edgeinfer.convert.quantized import scheme_for
     from edgeinfer.convert.safetensors import open_checkpoint
 
     scheme = scheme_for(json.loads((folder / "config.json").read_text()), folder)

@@ -40,9 +40,8 @@ from ..gguf_file import read_gguf
 from ..store import ModelManifest, Store, normalize_name
 from .arch import Architecture, HParams, TensorSpec, architecture_for
 from .embedding import adapt_checkpoint, read_embedding_spec
-from .fp4 import scale_applied
-from .quantized import QuantizedTensor, QuantScheme
-from .schemes import scheme_for
+from .quantized import QuantizedTensor, QuantScheme, scheme_for
+from .quantized.fp4 import scale_applied
 from .safetensors import FLOAT_DTYPES, Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
 from .tokenizer import load_vocab
 

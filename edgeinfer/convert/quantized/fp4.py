@@ -36,8 +36,9 @@ from typing import Any, ClassVar
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ..errors import ConversionError
-from .quantized import DirectBlocks, FP8Tensor, QuantizedTensor, QuantScheme, fp8_to_float32
+from ...errors import ConversionError
+from .base import DirectBlocks, QuantizedTensor, QuantScheme
+from .fp8 import FP8Tensor, fp8_to_float32
 
 __all__ = ["E2M1_VALUES", "FP4Tensor", "fp4_scheme_for", "scale_applied", "FP4_FORMATS"]
 
@@ -193,6 +194,7 @@ class CompressedFP4Scheme(QuantScheme):
     """compressed-tensors `nvfp4-pack-quantized` / `mxfp4-pack-quantized` config groups."""
 
     method: ClassVar[str] = "compressed-tensors"
+    supported: ClassVar[str] = "compressed-tensors FP4 (nvfp4-pack-quantized, mxfp4-pack-quantized)"
     suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_global_scale", "weight_shape",
                                            "weight_zero_point")
     skipped: ClassVar[tuple[str, ...]] = _NVFP4_SKIPPED
@@ -241,6 +243,7 @@ class ModelOptScheme(QuantScheme):
     FP8 (E4M3 `weight` + per-tensor `weight_scale`) layers, per tensor (MIXED_PRECISION too)."""
 
     method: ClassVar[str] = "modelopt"
+    supported: ClassVar[str] = "modelopt (NVFP4, FP8)"
     suffixes: ClassVar[tuple[str, ...]] = ("weight", "weight_scale", "weight_scale_2")
     skipped: ClassVar[tuple[str, ...]] = _NVFP4_SKIPPED
 
