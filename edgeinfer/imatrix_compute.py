@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     from .store import ModelManifest, Store
 
 __all__ = ["ImatrixProgress", "ImatrixResult", "compute_imatrix", "calibration_text", "stored_imatrix",
-           "imatrix_file", "imatrix_for_quantize", "MAX_TEXT_BYTES"]
+           "imatrix_file", "imatrix_for_quantize", "MAX_TEXT_BYTES", "MAX_CTX"]
 
 MAX_TEXT_BYTES = 16 << 20  # a calibration text past this is refused before it is tokenized
+MAX_CTX = 8192  # tokens a chunk (one batch: its logits are ctx x vocabulary floats)
 _METRICS_KEY = "imatrix"
 
 
@@ -170,18 +171,25 @@ def compute_imatrix(
     kept in the store beside it (replacing an older one) and recorded in its manifest; a path
     outside the store needs `output`. `cancel` is polled between chunks (`Cancelled`; nothing is
     left behind)."""
+    from .fit import available_memory
     from .imatrix import write_imatrix
     from .store import Store
     from .validate import validate_file
 
-    if isinstance(ctx, bool) or not isinstance(ctx, int) or not 16 <= ctx <= 65536:
-        raise InvalidOptionError(f"ctx must be a whole number in [16, 65536], got {ctx!r}")
+    if isinstance(ctx, bool) or not isinstance(ctx, int) or not 16 <= ctx <= MAX_CTX:
+        raise InvalidOptionError(f"ctx must be a whole number in [16, {MAX_CTX}], got {ctx!r}")
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise InvalidOptionError(f"chunks must be a whole number >= 1, got {chunks!r}")
     threads = check_threads(n_threads)
     store = store or Store()
     path, manifest = store.resolve(model)
-    validate_file(path, store)
+    info = validate_file(path, store)
+    tokens = info.metadata.get("tokenizer.ggml.tokens")
+    n_vocab = int(getattr(tokens, "length", 0) or info.metadata.get(f"{info.architecture}.vocab_size") or 0)
+    logits = ctx * n_vocab * 4  # every row's logits, as llama-imatrix asks for (the last layer runs on every row)
+    if logits > available_memory() // 2:
+        raise InvalidOptionError(f"ctx {ctx} needs {logits / 2**30:.1f} GiB of logits for a vocabulary of {n_vocab}: "
+                                 "more than half the memory available; choose a smaller --ctx")
     if output is None and manifest is None:
         raise InvalidOptionError(f"{Path(path).name} is not a store model: give --output for its importance matrix")
     if text is None:

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", nargs="?", help="store model (ideally the F16/BF16 one you quantize from) or .gguf path")
     p.add_argument("--text", metavar="FILE", help="calibration text (default: edgeinfer's own, Apache-2.0)")
-    p.add_argument("--ctx", type=int_range(16, 65536), default=512, help="tokens per chunk (llama-imatrix's -c)")
+    p.add_argument("--ctx", type=int_range(16, 8192), default=512, help="tokens per chunk (llama-imatrix's -c)")
     p.add_argument("--chunks", type=int_range(1, INT32_MAX), help="at most this many chunks (default: all the text holds)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the imatrix GGUF here instead of keeping it in the store")
     p.add_argument("--threads", type=threads_type, help="threads (default: EDGEINFER_THREADS, else all cores)")
