@@ -1,9 +1,11 @@
 """What the quantized-checkpoint tests share: reading a quantized folder with edgeinfer's reader,
-editing its tensors or its quantization_config, and reading back a GGUF's tensors as gguf-py
-(llama.cpp's dequantization, ported) dequantizes them."""
+editing its tensors or its quantization_config, and reading back a GGUF's tensors as llama.cpp
+itself dequantizes them (libggml-base's `to_float` of each type, through ctypes)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,7 @@ import numpy as np
 from quant_checkpoints import write_raw_safetensors
 
 __all__ = ["SMALL", "bare_folder", "float_folders", "dequantized_folder", "read_quantized", "edit_tensors", "edit_config",
-           "gguf_dequantized", "rows_in_blocks"]
+           "gguf_dequantized", "ggml_dequantize", "rows_in_blocks"]
 
 SMALL = dict(hidden=256, layers=1, heads=4, kv_heads=2, intermediate=512)  # dims multiples of 256
 
@@ -86,8 +88,41 @@ def edit_config(folder: Path, **changes: object) -> None:
     (folder / "config.json").write_text(json.dumps(c))
 
 
+class _TypeTraits(ctypes.Structure):
+    """struct ggml_type_traits (ggml.h of the pinned llama.cpp)."""
+
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+@functools.cache
+def _traits(qtype: int) -> _TypeTraits:
+    from edgeinfer.imatrix_collect import ggml_library
+
+    lib = ggml_library()
+    lib.ggml_get_type_traits.argtypes, lib.ggml_get_type_traits.restype = [ctypes.c_int], ctypes.POINTER(_TypeTraits)
+    t = lib.ggml_get_type_traits(qtype).contents
+    assert t.type_name.decode() == gguf.GGMLQuantizationType(qtype).name.lower(), (t.type_name, qtype)
+    assert (t.blck_size, t.type_size) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    return t
+
+
+def ggml_dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, n: int) -> np.ndarray:
+    """`n` float32 values of `data` (whole blocks of `qtype`) as llama.cpp's own dequantize_row_* computes them."""
+    t = _traits(int(qtype))
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    assert data.size == n // t.blck_size * t.type_size and n % t.blck_size == 0
+    out = np.empty(n, np.float32)
+    _TO_FLOAT(t.to_float)(data.ctypes.data, out.ctypes.data, n)
+    return out
+
+
 def gguf_dequantized(path: Path, keep: Callable[[str], bool]) -> dict[str, tuple[str, np.ndarray]]:
-    """{GGUF name: (type name, float32 values as gguf.quants dequantizes them, numpy row order)} of
+    """{GGUF name: (type name, float32 values as llama.cpp dequantizes them, numpy row order)} of
     the tensors `keep` accepts. Offsets come from edgeinfer's GGUF reader (gguf.GGUFReader takes
     ~20 s on a 49k vocabulary)."""
     from edgeinfer.gguf_file import read_gguf
@@ -103,7 +138,7 @@ def gguf_dequantized(path: Path, keep: Callable[[str], bool]) -> dict[str, tuple
         if qtype == gguf.GGMLQuantizationType.F32:
             x = data.view(np.float32).reshape(rows_shape)
         else:
-            x = gguf.quants.dequantize(data.reshape(rows_shape[0], -1), qtype).astype(np.float32).reshape(rows_shape)
+            x = ggml_dequantize(data, qtype, int(np.prod(rows_shape))).reshape(rows_shape)
         out[t.name] = (qtype.name, x)
     return out
 

@@ -3,7 +3,7 @@
 Each case packs random weights in the format's published layout (tests/fp4_checkpoints.py, written
 without edgeinfer) and checks
 - (fast) the converter's reader gives the format's own float32 dequantization bit for bit, and its
-  GGUF blocks, dequantized by gguf-py's port of llama.cpp's dequantize_row_{mx,nv}fp4 and multiplied
+  GGUF blocks, dequantized by llama.cpp's own dequantize_row_{mx,nv}fp4 (libggml-base) and multiplied
   by the `.scale` llama.cpp multiplies in, equal the checkpoint's numbers: MXFP4 bit for bit (and
   the blocks are the checkpoint's bytes, moved), ModelOpt NVFP4 exactly (in float64, where every
   product is exact), compressed-tensors NVFP4 within the one float32 rounding of 1/global_scale
@@ -26,7 +26,7 @@ from edgeinfer.convert import convert_model
 from edgeinfer.errors import ConversionError
 
 from checkpoint_io import (SMALL, bare_folder, dequantized_folder, edit_config, edit_tensors, float_folders,
-                           gguf_dequantized, read_quantized, rows_in_blocks)
+                           ggml_dequantize, gguf_dequantized, read_quantized, rows_in_blocks)
 from fp4_checkpoints import fp4_folder
 from hf_models import _unpermute
 
@@ -74,7 +74,8 @@ def test_fp4_blocks_hold_the_checkpoints_numbers(case, bare, tmp_path):
             if qtype is None:
                 continue
             blocks = t.direct_rows(qtype, 0, t.shape[0])
-            held = gguf.quants.dequantize(blocks.data, qtype).reshape(want.shape).astype(np.float64)
+            held = ggml_dequantize(blocks.data, qtype, want.size).reshape(want.shape).astype(np.float64)
+            assert np.array_equal(held, gguf.quants.dequantize(blocks.data, qtype).reshape(want.shape))  # gguf-py agrees
             scale = t.tensor_scale()
             if layout.startswith("mxfp4"):
                 assert scale is None
