@@ -171,6 +171,7 @@ def test_quantize_with_a_hostile_imatrix_is_one_line(synthetic_f16, tmp_path, ca
 def test_quantize_computes_keeps_and_uses_the_models_imatrix(synthetic_f16, edgeinfer_home, capsys):  # noqa: F811
     from edgeinfer import Store
     from edgeinfer.cli import main
+    from edgeinfer.fit import recommend
     from edgeinfer.imatrix_compute import stored_imatrix
     from edgeinfer.quantize import quantize_model
 
@@ -195,6 +196,11 @@ def test_quantize_computes_keeps_and_uses_the_models_imatrix(synthetic_f16, edge
     assert main(["eval", "--ladder", "synthetic-llama", "--ctx", "64", "--chunks", "1", "--no-bench", "--threads", "1"]) == 0
     rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:] if line.strip()}
     assert rows["IQ3_S"] == "yes" and rows["IQ3_S-NOIMAT"] == "-" and rows["IQ2_XS"] == "yes"
+    # recommend weighs them with the rest of the ladder, by the KLD eval measured
+    rec = recommend("synthetic-llama", min_quality=float("inf"))
+    iquants = {c.ref: c for c in rec.candidates if ":iq" in c.ref}
+    assert set(iquants) == {"synthetic-llama:iq2_xs", "synthetic-llama:iq3_s", "synthetic-llama:iq3_s-noimat"}
+    assert all(c.kld is not None and c.fit.fits for c in iquants.values()) and rec.choice is not None
     # a type that needs one refuses none, in one line (llama.cpp's own check)
     assert main(["quantize", src.ref, "--type", "IQ2_XXS", "--imatrix", "none", "--threads", "1"]) == 1
     assert "requires an imatrix" in capsys.readouterr().err
