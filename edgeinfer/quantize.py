@@ -130,9 +130,10 @@ def available_quant_types() -> tuple[str, ...]:
     """The quant types the installed llama.cpp has (an LLAMA_FTYPE_MOSTLY_* constant for each)."""
     llama_cpp = _binding()
     out = []
-    for name, (ftype, main) in QUANT_TYPES.items():
+    for name, (ftype, _) in QUANT_TYPES.items():
+        # (the file type implies its ggml types; the binding does not name them all: GGML_TYPE_BF16)
         const = {"F32": "LLAMA_FTYPE_ALL_F32", "MXFP4": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}.get(name, f"LLAMA_FTYPE_MOSTLY_{name}")
-        if getattr(llama_cpp, const, None) == ftype and hasattr(llama_cpp, f"GGML_TYPE_{main}"):
+        if getattr(llama_cpp, const, None) == ftype:
             out.append(name)
     return tuple(out)
 
