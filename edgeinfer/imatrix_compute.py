@@ -8,8 +8,8 @@ layer matmul. The file is llama.cpp's imatrix GGUF (`imatrix.write_imatrix`): `<
 `<tensor>.counts`, `imatrix.chunk_count` (rows seen / ctx), `imatrix.chunk_size`, `imatrix.datasets`.
 
 Without a text, the calibration text shipped with edgeinfer is used (edgeinfer/data/calibration.txt,
-written for edgeinfer, Apache-2.0 like the rest of it; not the evaluation text, so `eval` does not
-score what the matrix was fitted to). A store model's matrix is kept beside its file,
+written for edgeinfer, Apache-2.0 like the rest of it, as data/SOURCES.md says; not the evaluation
+text, so `eval` does not score what the matrix was fitted to). A store model's matrix is kept beside its file,
 `models/<name>/<name>-<tag>.imatrix.gguf`, and recorded in its manifest (metrics["imatrix"]:
 file, sha256, text hash, chunks), where `quantize` finds it.
 """

@@ -243,6 +243,19 @@ def test_bad_imatrix_requests_are_one_line_errors(edgeinfer_home):
         compute_imatrix(None, n_threads=0)
 
 
+def test_the_calibration_text_ships_with_its_source_and_is_not_the_evaluation_text():
+    from importlib import resources
+
+    from edgeinfer.evaluate import default_eval_text
+    from edgeinfer.imatrix_compute import calibration_text
+
+    cal, ev = calibration_text(), default_eval_text()
+    assert len(cal) > 20_000
+    assert not [i for i in range(0, len(cal) - 60, 20) if cal[i:i + 60] in ev]  # no shared passage of 60 characters
+    sources = (resources.files("edgeinfer") / "data" / "SOURCES.md").read_text(encoding="utf-8")
+    assert "`calibration.txt`" in sources and "Apache-2.0" in sources
+
+
 @pytest.mark.slow
 def test_the_importance_matrix_lowers_the_default_models_kld(default_model_copy, edgeinfer_home, tmp_path):
     """The floor of issue 47 on the default model, for one type that can be made without a matrix
