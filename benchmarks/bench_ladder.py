@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from benchmarks._store import use_home
 
 LADDER = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "IQ4_XS", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0")
 
@@ -43,12 +44,7 @@ def main() -> int:
     ap.add_argument("--home", help="EDGEINFER_HOME to use (default: a fresh temporary store)")
     args = ap.parse_args()
 
-    tmp = None
-    if args.home:
-        os.environ["EDGEINFER_HOME"] = args.home
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="edgeinfer-ladder-")
-        os.environ["EDGEINFER_HOME"] = tmp.name
+    tmp = use_home(args.home, "edgeinfer-ladder-")
 
     from edgeinfer import Store, read_gguf
     from edgeinfer.bench import bench, bytes_per_token, measure_bandwidth

@@ -10,7 +10,7 @@ set -euo pipefail
 
 VERSION=0.3.36
 TOOLS_DIR=${EDGEINFER_LLAMA_TOOLS:-$HOME/.cache/edgeinfer-llama-tools}
-TARGETS=(llama-bench llama-lookup llama-speculative llama-perplexity llama-server)
+TARGETS=(llama-bench llama-lookup llama-speculative llama-perplexity llama-server llama-imatrix)
 JOBS=${JOBS:-2}
 
 if [[ -f "$TOOLS_DIR/bin/.complete" ]]; then

@@ -42,6 +42,7 @@ __all__ = [
     "load_placement",
     "fit",
     "ladder",
+    "member_label",
     "recommend",
 ]
 
@@ -318,6 +319,12 @@ class Recommendation:
     choice: Candidate | None
     candidates: tuple[Candidate, ...]  # every member of the ladder, largest first
     reason: str
+
+
+def member_label(quant: str | None, tag: str) -> str:
+    """How a ladder names a member: its quant type, or its tag where the tag says more (two IQ3_S
+    files, `iq3_s` and `iq3_s-noimat`; an MXFP4 file, whose llama.cpp file type is MXFP4_MOE)."""
+    return quant if quant and tag == quant.lower() else tag.upper()
 
 
 def ladder(name: str, *, store: Store | None = None) -> list[ModelManifest]:

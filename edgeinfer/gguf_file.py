@@ -295,9 +295,12 @@ def _is_utf8(text: bytes) -> bool:
 
 
 def read_gguf(
-    path: str | Path, *, keep_arrays: bool = False, known_spans: Mapping[str, tuple[int, int]] | None = None
+    path: str | Path, *, keep_arrays: bool = False, known_spans: Mapping[str, tuple[int, int]] | None = None,
+    model: bool = True,
 ) -> GGUFInfo:
     """Parse and validate a GGUF file; raise InvalidModelError (one line) on any problem.
+
+    `model=False` reads a GGUF that is not a model (llama-imatrix's files have no general.architecture).
 
     `known_spans` (GGUFInfo.string_spans of an earlier read of this very file, unchanged since:
     the caller's business) lets the reader step over large string arrays (the vocabulary and
@@ -315,11 +318,12 @@ def read_gguf(
         if f.read(4) != GGUF_MAGIC:
             raise InvalidModelError(f"{path.name}: not a GGUF file (bad magic)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse(mm, path, file_size, keep_arrays, known_spans or {})
+            return _parse(mm, path, file_size, keep_arrays, known_spans or {}, model)
 
 
 def _parse(
-    buf: mmap.mmap | bytes, path: Path, file_size: int, keep_arrays: bool, known_spans: Mapping[str, tuple[int, int]]
+    buf: mmap.mmap | bytes, path: Path, file_size: int, keep_arrays: bool, known_spans: Mapping[str, tuple[int, int]],
+    model: bool = True,
 ) -> GGUFInfo:
     cur = _Cursor(buf, path, known_spans)
     cur.need(4, "magic")
@@ -349,7 +353,7 @@ def _parse(
     alignment = metadata.get("general.alignment", 32)
     if alignment_type not in (None, GGUFValueType.UINT32) or alignment <= 0 or alignment & (alignment - 1):
         raise cur.fail(f"general.alignment {alignment!r} is not a power of two stored as UINT32")
-    if not isinstance(metadata.get("general.architecture"), str):
+    if model and not isinstance(metadata.get("general.architecture"), str):
         raise cur.fail("general.architecture is missing")
 
     raw_tensors = []

@@ -36,8 +36,11 @@ class ImportanceMatrix:
 
 
 def read_imatrix(path: str | Path) -> ImportanceMatrix:
-    """Read and validate an imatrix GGUF; InvalidModelError (one line) on anything malformed."""
-    import gguf
+    """Read and validate an imatrix GGUF; InvalidModelError (one line) on anything malformed.
+
+    The file is parsed by edgeinfer's own bounds-checked GGUF reader (the one models go through),
+    and tensor data is read only inside the file, after every header field has been checked."""
+    from .gguf_file import read_gguf
 
     path = Path(path)
     if not path.is_file():
@@ -50,22 +53,28 @@ def read_imatrix(path: str | Path) -> ImportanceMatrix:
         if f.read(4) != b"GGUF":
             raise bad("not GGUF (the legacy .dat format is not supported; convert it with llama-imatrix)")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf raises ValueError/struct.error/IndexError on damaged files
-        raise bad(f"{type(e).__name__}: {e}") from None
+        info = read_gguf(path, keep_arrays=True, model=False)
+    except InvalidModelError as e:
+        raise bad(str(e).removeprefix(f"{path.name}: ")) from None
 
+    raw = np.memmap(path, dtype=np.uint8, mode="r") if info.tensors else None
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    for t in info.tensors:
         if t.name.endswith(_SUMS):
             target, base = sums, t.name[: -len(_SUMS)]
         elif t.name.endswith(_COUNTS):
             target, base = counts, t.name[: -len(_COUNTS)]
         else:
             continue
-        if t.tensor_type != gguf.GGMLQuantizationType.F32:
-            raise bad(f"tensor {t.name!r} is {t.tensor_type.name}, must be F32")
-        target[base] = np.asarray(t.data, dtype=np.float32).reshape(-1)
+        if t.type_name != "F32":
+            raise bad(f"tensor {t.name!r} is {t.type_name}, must be F32")
+        # [n_cols, n_mat] and [1, n_mat] (GGUF order); llama.cpp drops a trailing 1: [n_cols], [1]
+        if len(t.shape) > 2 or (target is counts and t.shape[0] != 1):
+            raise bad(f"tensor {t.name!r} has shape {list(t.shape)}")
+        assert raw is not None
+        values = np.frombuffer(raw[t.offset : t.offset + t.n_bytes], dtype="<f4").astype(np.float32)
+        target[base] = values.reshape(t.shape[1] if len(t.shape) == 2 else 1, t.shape[0])  # [n_mat, n_cols]
 
     if not sums:
         raise bad("no <tensor>.in_sum2 entries")
@@ -73,36 +82,26 @@ def read_imatrix(path: str | Path) -> ImportanceMatrix:
     for name in sorted(set(sums) | set(counts)):
         if name not in sums or name not in counts:
             raise bad(f"{name!r} has {'no counts' if name in sums else 'counts but no in_sum2'}")
-        s, c = sums[name], counts[name]
-        if len(c) == 0 or len(s) % len(c):
-            raise bad(f"{name!r}: {len(s)} sums do not split into {len(c)} experts")
-        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(c))):
+        per, c = sums[name], counts[name].reshape(-1)
+        if per.shape[0] != len(c):
+            raise bad(f"{name!r}: {per.shape[0]} matrices of sums but {len(c)} counts")
+        if not (np.all(np.isfinite(per)) and np.all(np.isfinite(c))):
             raise bad(f"{name!r} holds non-finite values")
-        if np.any(s < 0) or np.any(c < 0):
+        if np.any(per < 0) or np.any(c < 0):
             raise bad(f"{name!r} holds negative sums or counts")
-        per = s.reshape(len(c), -1)
         c_round = np.rint(c).astype(np.float64)  # llama.cpp rounds counts with lround
         importance = np.where(c_round[:, None] > 0, per / np.where(c_round > 0, c_round, 1.0)[:, None], 1.0)
         entries[name] = np.ascontiguousarray(importance.reshape(-1), dtype=np.float32)
 
-    def field_value(key: str) -> object:
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        try:
-            return f.contents()
-        except Exception:
-            return None
-
-    datasets = field_value("imatrix.datasets")
-    chunk_count = field_value("imatrix.chunk_count")
-    chunk_size = field_value("imatrix.chunk_size")
+    meta = info.metadata
+    datasets = meta.get("imatrix.datasets")
+    chunk_count, chunk_size = meta.get("imatrix.chunk_count"), meta.get("imatrix.chunk_size")
     return ImportanceMatrix(
         path=path,
         entries=entries,
         datasets=tuple(str(d) for d in datasets) if isinstance(datasets, list) else (),
-        chunk_count=int(chunk_count) if isinstance(chunk_count, int) else 0,
-        chunk_size=int(chunk_size) if isinstance(chunk_size, int) else 0,
+        chunk_count=int(chunk_count) if isinstance(chunk_count, int) and not isinstance(chunk_count, bool) else 0,
+        chunk_size=int(chunk_size) if isinstance(chunk_size, int) and not isinstance(chunk_size, bool) else 0,
     )
 
 

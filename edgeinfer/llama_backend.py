@@ -22,6 +22,7 @@ from typing import Any
 from .errors import InvalidOptionError
 
 __all__ = ["backend", "log_capture", "recent_log_lines", "max_threads", "env_threads", "threads_out_of_range",
+           "check_threads",
            "LOGGER_NAME", "THREADS_ENV", "THREADS_PER_CORE"]
 
 LOGGER_NAME = "edgeinfer.llama_cpp"
@@ -67,6 +68,18 @@ def env_threads() -> int | None:
     if not 1 <= n <= max_threads():
         raise threads_out_of_range(f"{THREADS_ENV} must be a whole number", repr(raw))
     return n
+
+
+def check_threads(n_threads: int | None) -> int:
+    """A thread count that fits llama.cpp's int and this machine (None: EDGEINFER_THREADS, else every
+    core), for work that runs alone (quantizing, an importance matrix)."""
+    if n_threads is None:
+        return env_threads() or os.cpu_count() or 1
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int):
+        raise InvalidOptionError(f"threads must be an integer, got {n_threads!r}")
+    if not 1 <= n_threads <= max_threads():  # 9,999 threads once took the machine to a load of 1,000
+        raise threads_out_of_range("threads must be", n_threads)
+    return n_threads
 
 
 def threads_out_of_range(what: str, got: object) -> InvalidOptionError:

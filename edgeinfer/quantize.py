@@ -40,8 +40,8 @@ from .cancel import CancelToken, raise_if_cancelled
 from .errors import InvalidOptionError, QuantizationError, StoreError
 from .fsutil import atomic_path, ensure_free_space, no_space_error
 from .gguf_file import GGUFInfo, read_gguf
-from .llama_backend import LOGGER_NAME, backend, env_threads, max_threads, threads_out_of_range
-from .quant_types import QUANT_TYPES, TENSOR_TYPES
+from .llama_backend import LOGGER_NAME, backend, check_threads
+from .quant_types import QUANT_TYPES, TENSOR_TYPES, TYPE_RECIPES
 from .validate import validate_file
 
 if TYPE_CHECKING:
@@ -131,7 +131,8 @@ def available_quant_types() -> tuple[str, ...]:
     llama_cpp = _binding()
     out = []
     for name, (ftype, _) in QUANT_TYPES.items():
-        const = "LLAMA_FTYPE_ALL_F32" if name == "F32" else f"LLAMA_FTYPE_MOSTLY_{name}"
+        # (the file type implies its ggml types; the binding does not name them all: GGML_TYPE_BF16)
+        const = {"F32": "LLAMA_FTYPE_ALL_F32", "MXFP4": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}.get(name, f"LLAMA_FTYPE_MOSTLY_{name}")
         if getattr(llama_cpp, const, None) == ftype:
             out.append(name)
     return tuple(out)
@@ -197,15 +198,20 @@ def find_fallbacks(
     return tuple(out)
 
 
-def default_tag(qtype: str, profile: QuantProfile | None = None, *, custom: bool = False, imatrix: bool = False) -> str:
-    """`q4_k_m`; a profile that changes more than the weights type adds its name (`q2_k-tiny`)."""
+def default_tag(qtype: str, profile: QuantProfile | None = None, *, custom: bool = False,
+                imatrix: bool | str = False) -> str:
+    """`q4_k_m`; a profile that changes more than the weights type adds its name (`q2_k-tiny`); an
+    importance matrix given as a file adds `-imat` (`imatrix` True or "file"), none where the type
+    would use the store's adds `-noimat` ("none"); the store's own (the default) adds nothing."""
     tag = qtype.lower()
     if profile is not None and (profile.output_type or profile.embedding_type or profile.overrides):
         tag += f"-{profile.name}"
     elif custom:
         tag += "-custom"
-    if imatrix:
+    if imatrix is True or imatrix == "file":
         tag += "-imat"
+    elif imatrix == "none":
+        tag += "-noimat"
     return tag
 
 
@@ -285,17 +291,6 @@ def _disk_full(path: Path) -> bool:
         return False
 
 
-def _check_threads(n_threads: int | None) -> int:
-    """A thread count that fits llama.cpp's int and this machine (None: EDGEINFER_THREADS, else every core)."""
-    if n_threads is None:
-        return env_threads() or os.cpu_count() or 1
-    if isinstance(n_threads, bool) or not isinstance(n_threads, int):
-        raise InvalidOptionError(f"threads must be an integer, got {n_threads!r}")
-    if not 1 <= n_threads <= max_threads():  # 9,999 threads once took the machine to a load of 1,000
-        raise threads_out_of_range("threads must be", n_threads)
-    return n_threads
-
-
 def _run_child(request: dict[str, Any], capture: _LogCapture, cancel: CancelToken) -> int:
     """Run llama_model_quantize in a child process (quantize_child.py), feeding its log to `capture`.
 
@@ -335,6 +330,16 @@ def _pump(proc: subprocess.Popen[bytes], capture: _LogCapture) -> None:
             capture.feed(0, chunk.decode("utf-8", errors="replace"))
 
 
+def _read_imatrix(path: Path, src_info: GGUFInfo, src_ref: str) -> Any:
+    from .imatrix import read_imatrix
+
+    imat = read_imatrix(path)
+    weight_names = {t.name.removesuffix(".weight") for t in src_info.tensors} | {t.name for t in src_info.tensors}
+    if not any(k in weight_names or k.removesuffix(".weight") in weight_names for k in imat.entries):
+        raise QuantizationError(f"{Path(path).name} has no entry for any tensor of {src_ref} (another model's imatrix?)")
+    return imat
+
+
 def quantize_model(
     source: str | Path,
     qtype: str | None = None,
@@ -344,7 +349,7 @@ def quantize_model(
     output_type: str | None = None,
     embedding_type: str | None = None,
     overrides: Iterable[tuple[str, str]] = (),
-    imatrix: str | Path | None = None,
+    imatrix: str | Path | None = "auto",
     allow_requantize: bool = False,
     name: str | None = None,
     tag: str | None = None,
@@ -356,6 +361,9 @@ def quantize_model(
     """Quantize `source` (store ref or GGUF path) to `qtype` (or the profile's weights type).
 
     Explicit `output_type` / `embedding_type` / `overrides` add to (and win over) the profile's.
+    `imatrix`: an importance matrix file, None for none, or "auto": the one kept with the source in
+    the store (`edgeinfer imatrix`) for the types that use one, computed first on the shipped
+    calibration text for the types that need one (IQ1/IQ2/IQ3_XXS/IQ3_XS; imatrix_compute).
     A source that already holds quantized weights needs `allow_requantize=True` (warned about).
     `cancel` (a threading.Event or a callable, see edgeinfer.cancel) stops the quantizer at once
     with `Cancelled`, as Ctrl-C does; nothing is left behind either way.
@@ -374,7 +382,7 @@ def quantize_model(
     qtype = qtype.upper()
     if qtype not in QUANT_TYPES:
         raise InvalidOptionError(f"unknown quant type {qtype!r}: choose one of {', '.join(QUANT_TYPES)}")
-    nthread = _check_threads(n_threads)
+    nthread = check_threads(n_threads)
     custom = bool(output_type or embedding_type or tuple(overrides))
     out_t = _check_tensor_type("output tensor", output_type or (profile.output_type if profile else None))
     emb_t = _check_tensor_type("token embedding", embedding_type or (profile.embedding_type if profile else None))
@@ -410,17 +418,13 @@ def quantize_model(
             stacklevel=2,
         )
 
-    imat = None
-    if imatrix is not None:
-        from .imatrix import read_imatrix
+    from .imatrix_compute import compute_imatrix, imatrix_for_quantize
 
-        imat = read_imatrix(imatrix)
-        weight_names = {t.name.removesuffix(".weight") for t in src_info.tensors} | {t.name for t in src_info.tensors}
-        if not any(k in weight_names or k.removesuffix(".weight") in weight_names for k in imat.entries):
-            raise QuantizationError(f"{Path(imatrix).name} has no entry for any tensor of {src_ref} (another model's imatrix?)")
+    imatrix, imatrix_kind = imatrix_for_quantize(imatrix, qtype, src_manifest)
+    imat = _read_imatrix(imatrix, src_info, src_ref) if imatrix is not None else None
 
     out_name = name or _source_name(src_path, src_manifest)
-    out_tag = tag or default_tag(qtype, profile, custom=custom, imatrix=imat is not None)
+    out_tag = tag or default_tag(qtype, profile, custom=custom, imatrix=imatrix_kind)
     if f"{out_name}:{out_tag}" == DEFAULT_MODEL:
         raise StoreError(f"{DEFAULT_MODEL} is the default model's name; choose another --name or --tag")
     target = store.model_path(out_name, out_tag)
@@ -440,6 +444,15 @@ def quantize_model(
         "token_embedding_type": _ggml_type_id(emb_t) if emb_t else None,
         "overrides": [[pattern, _ggml_type_id(t)] for pattern, t in ovr],
     }
+    if qtype in TYPE_RECIPES:  # a base ftype llama.cpp knows, the type by override, the file type written over
+        request["ftype"], pattern = TYPE_RECIPES[qtype]
+        request["overrides"].append([pattern, _ggml_type_id(QUANT_TYPES[qtype][1])])
+        request["file_type"] = QUANT_TYPES[qtype][0]
+
+    if imatrix_kind == "store" and imatrix is None:  # the type needs one and none is kept yet: make it now
+        assert src_manifest is not None
+        imatrix = compute_imatrix(src_manifest.ref, store=store, n_threads=n_threads, cancel=cancel).path
+        imat = _read_imatrix(imatrix, src_info, src_ref)
 
     # The whole produce-and-register holds the name's writer lock: a second writer of the same
     # name (another process or thread) fails at once instead of both "succeeding".
@@ -470,7 +483,8 @@ def quantize_model(
                 source={"kind": "quantize", "qtype": qtype, "profile": profile.name if profile else None,
                         "kv_type": profile.kv_type if profile else None,
                         "output_type": out_t, "embedding_type": emb_t, "overrides": [list(o) for o in ovr],
-                        "imatrix": str(imatrix) if imatrix else None, "requantized": bool(quantized_src)},
+                        "imatrix": str(imatrix) if imatrix else None, "imatrix_from": imatrix_kind or None,
+                        "requantized": bool(quantized_src)},
                 derived_from=src_ref, owned=True, info=info,
             )
         except BaseException:

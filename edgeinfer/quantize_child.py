@@ -29,7 +29,7 @@ _PR_SET_PDEATHSIG = 1
 # fields of llama_model_quantize_params this script sets; checked against the struct, because
 # ctypes silently accepts an assignment to a field the struct does not declare
 _FIELDS = ("nthread", "ftype", "allow_requantize", "quantize_output_tensor", "pure",
-           "output_tensor_type", "token_embedding_type", "tt_overrides", "imatrix")
+           "output_tensor_type", "token_embedding_type", "tt_overrides", "imatrix", "kv_overrides")
 
 
 def _llama():
@@ -78,6 +78,14 @@ def quantize(request: dict[str, Any]) -> int:
         arr[len(overrides)].pattern = None
         keepalive.append(arr)
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(ll.llama_model_tensor_override))
+    if request.get("file_type") is not None:  # general.file_type written over the base ftype's (TYPE_RECIPES)
+        kv = (ll.llama_model_kv_override * 2)()
+        kv[0].key = b"general.file_type"
+        kv[0].tag = ll.LLAMA_KV_OVERRIDE_TYPE_INT
+        kv[0].value.val_i64 = int(request["file_type"])
+        kv[1].key = b""  # the end: an empty key
+        keepalive.append(kv)
+        params.kv_overrides = ctypes.cast(kv, ctypes.POINTER(ll.llama_model_kv_override))
     if request.get("imatrix"):
         import numpy as np  # only here: numpy is a sixth of a child's start-up
 

@@ -74,10 +74,13 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def forward_logits(folder: Path, tokens: list[int], layer_inputs: list[np.ndarray] | None = None) -> np.ndarray:
+def forward_logits(folder: Path, tokens: list[int], layer_inputs: list[np.ndarray] | None = None,
+                   matmul_inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """float64 logits [len(tokens), vocab] of the HF checkpoint in `folder`. `layer_inputs`, if
     given, receives each layer's input [T, hidden] and then the last layer's output (what an
-    EAGLE-3 drafter reads of its target)."""
+    EAGLE-3 drafter reads of its target). `matmul_inputs`, if given, has the squared inputs of
+    every decoder-layer linear weight added to it, summed over the tokens: {HF weight name:
+    sum_t x_t[j]^2 per input column j} (what an importance matrix holds)."""
     config, w = load_hf_weights(folder)
     hidden, n_h = config["hidden_size"], config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads", n_h)
@@ -91,15 +94,20 @@ def forward_logits(folder: Path, tokens: list[int], layer_inputs: list[np.ndarra
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]  # [T, 1, hd]
     mask = np.triu(np.full((T, T), -np.inf), k=1)
 
+    def into(name: str, inp: np.ndarray) -> np.ndarray:
+        if matmul_inputs is not None:
+            matmul_inputs[name] = matmul_inputs.get(name, 0.0) + (inp * inp).sum(axis=0)
+        return inp @ w[name].T
+
     x = w["model.embed_tokens.weight"][np.asarray(tokens)]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         if layer_inputs is not None:
             layer_inputs.append(x)
         h = _rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = h @ w[p + "self_attn.q_proj.weight"].T
-        k = h @ w[p + "self_attn.k_proj.weight"].T
-        v = h @ w[p + "self_attn.v_proj.weight"].T
+        q = into(p + "self_attn.q_proj.weight", h)
+        k = into(p + "self_attn.k_proj.weight", h)
+        v = into(p + "self_attn.v_proj.weight", h)
         if p + "self_attn.q_proj.bias" in w:
             q = q + w[p + "self_attn.q_proj.bias"]
             k = k + w[p + "self_attn.k_proj.bias"]
@@ -119,11 +127,11 @@ def forward_logits(folder: Path, tokens: list[int], layer_inputs: list[np.ndarra
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)
         att = np.einsum("hts,shd->thd", scores, v).reshape(T, n_h * hd)
-        x = x + att @ w[p + "self_attn.o_proj.weight"].T
+        x = x + into(p + "self_attn.o_proj.weight", att)
         h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        g = h @ w[p + "mlp.gate_proj.weight"].T
-        u = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + ((g / (1 + np.exp(-g))) * u) @ w[p + "mlp.down_proj.weight"].T
+        g = into(p + "mlp.gate_proj.weight", h)
+        u = into(p + "mlp.up_proj.weight", h)
+        x = x + into(p + "mlp.down_proj.weight", (g / (1 + np.exp(-g))) * u)
     if layer_inputs is not None:
         layer_inputs.append(x)
     x = _rms_norm(x, w["model.norm.weight"], eps)

@@ -19,12 +19,13 @@ import functools
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["quantize_folder", "write_raw_safetensors", "e4m3_values", "LINEAR"]
+__all__ = ["quantize_folder", "rewrite_folder", "write_raw_safetensors", "e4m3_values", "LINEAR"]
 
 LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -231,27 +232,38 @@ def _config(fmt: str, o: dict[str, Any]) -> dict[str, Any]:
             "ignore": ["lm_head"]}
 
 
-def quantize_folder(src: Path, dst: Path, fmt: str, seed: int = 0, **options: Any) -> dict[str, np.ndarray]:
-    """Write `src` quantized as `fmt` into `dst`; returns {HF weight name: the test's dequantized float32}."""
+def rewrite_folder(src: Path, dst: Path, layer: Callable[[str, np.ndarray], dict[str, tuple[str, np.ndarray]]],
+                   quantization: dict[str, Any] | None) -> None:
+    """Copy the HF folder `src` to `dst` with every linear layer of its decoder blocks stored as the
+    parts `layer(name, weight)` returns ({suffix: (dtype code, array)}) and `quantization` as
+    config.json's quantization_config (None: none)."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name != "config.json":
             shutil.copy(p, dst / p.name)
-    rng = np.random.default_rng(seed)
-    weights = _read(src)
     stored: dict[str, tuple[str, np.ndarray]] = {}
-    expected: dict[str, np.ndarray] = {}
-    for name, w in weights.items():
+    for name, w in _read(src).items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.split(".", 3)[-1] in LINEAR:
-            parts, deq = _layer(name, w, fmt, options, rng)
-            stored |= {f"{module}.{k}": v for k, v in parts.items()}
-            expected[name] = deq
+            stored |= {f"{module}.{k}": v for k, v in layer(name, w).items()}
         else:
             stored[name] = ("F32", w)
     write_raw_safetensors(dst / "model.safetensors", stored)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _config(fmt, options)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def quantize_folder(src: Path, dst: Path, fmt: str, seed: int = 0, **options: Any) -> dict[str, np.ndarray]:
+    """Write `src` quantized as `fmt` into `dst`; returns {HF weight name: the test's dequantized float32}."""
+    rng = np.random.default_rng(seed)
+    expected: dict[str, np.ndarray] = {}
+
+    def layer(name: str, w: np.ndarray) -> dict[str, tuple[str, np.ndarray]]:
+        parts, expected[name] = _layer(name, w, fmt, options, rng)
+        return parts
+
+    rewrite_folder(src, dst, layer, _config(fmt, options))
     return expected

@@ -25,10 +25,11 @@ import pytest
 from edgeinfer.convert import convert_model
 from edgeinfer.errors import ConversionError
 
-from hf_models import _unpermute, make_random_hf_model, write_safetensors
+from checkpoint_io import (SMALL, bare_folder, dequantized_folder, edit_config, edit_tensors, float_folders,
+                           gguf_dequantized, read_quantized, rows_in_blocks)
+from hf_models import _unpermute
 from quant_checkpoints import quantize_folder
 
-SMALL = dict(hidden=256, layers=1, heads=4, kv_heads=2, intermediate=512)
 CASES = {
     "fp8-block": ("fp8-block", {}),
     "fp8-block-64": ("fp8-block", {"block": 64}),
@@ -59,39 +60,24 @@ _GGUF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory) -> Path:
     """Two linear layers and nothing else: what the format readers need, without a vocabulary."""
-    folder = tmp_path_factory.mktemp("bare")
-    rng = np.random.default_rng(1)
-    write_safetensors(folder / "model.safetensors", {
-        "model.layers.0.self_attn.q_proj.weight": (rng.standard_normal((256, 512)) / 20).astype(np.float32),
-        "model.layers.0.mlp.down_proj.weight": (rng.standard_normal((128, 768)) / 20).astype(np.float32),
+    return bare_folder(tmp_path_factory.mktemp("bare"), {
+        "model.layers.0.self_attn.q_proj.weight": (256, 512),
+        "model.layers.0.mlp.down_proj.weight": (128, 768),
     })
-    (folder / "config.json").write_text("{}")
-    return folder
-
-
-def _read_quantized(folder: Path):
-    from edgeinfer.convert.quantized import scheme_for
-    from edgeinfer.convert.safetensors import open_checkpoint
-
-    scheme = scheme_for(json.loads((folder / "config.json").read_text()), folder)
-    ckpt = open_checkpoint(folder)
-    tensors, consumed = scheme.tensors(ckpt)
-    return ckpt, tensors, consumed
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_reader_gives_the_checkpoints_own_dequantization(case, bare, tmp_path):
     fmt, opts = CASES[case]
     expected = quantize_folder(bare, tmp_path / "q", fmt, **opts)
-    ckpt, tensors, consumed = _read_quantized(tmp_path / "q")
+    ckpt, tensors, consumed = read_quantized(tmp_path / "q")
     with ckpt:
         assert set(tensors) == set(expected)
         assert consumed == set(ckpt.names)  # every stored part belongs to a layer (or is skipped)
         for name, want in expected.items():
             t = tensors[name]
             assert t.shape == want.shape
-            step = 3 * t.row_align  # blocks that do not divide the rows: the last one is short
-            got = np.concatenate([t.rows(r0, min(r0 + step, t.shape[0])) for r0 in range(0, t.shape[0], step)])
+            got = rows_in_blocks(t, 3 * t.row_align)  # blocks that do not divide the rows: the last one is short
             assert got.dtype == np.float32
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{case} {name}: not bit-equal"
             qtype = t.direct_type()
@@ -112,31 +98,22 @@ def test_reader_gives_the_checkpoints_own_dequantization(case, bare, tmp_path):
 
 @pytest.fixture(scope="module")
 def float_models(tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("float")
-    return {arch: make_random_hf_model(base / arch, arch, **SMALL, seed=3) for arch in ("llama", "qwen2")}
+    return float_folders(tmp_path_factory.mktemp("float"))
+
+
+def _is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[2] in _GGUF_LINEAR and parts[3] == "weight"
 
 
 def _linear_tensors(path: Path, heads: int, kv_heads: int, permuted: bool) -> dict[str, tuple[str, np.ndarray]]:
-    """{HF weight name: (GGUF type name, float32 values as gguf.quants dequantizes them, HF row order)}.
-    Offsets come from edgeinfer's GGUF reader (gguf.GGUFReader takes ~20 s on a 49k vocabulary)."""
-    from edgeinfer.gguf_file import read_gguf
-
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    """{HF weight name: (GGUF type name, float32 values as gguf.quants dequantizes them, HF row order)}."""
     out = {}
-    for t in read_gguf(path).tensors:
-        parts = t.name.split(".")
-        if len(parts) != 4 or parts[2] not in _GGUF_LINEAR or parts[3] != "weight":
-            continue
-        qtype = gguf.GGMLQuantizationType(t.type_id)
-        rows_shape = tuple(reversed(t.shape))
-        data = np.asarray(raw[t.offset : t.offset + t.n_bytes])
-        if qtype == gguf.GGMLQuantizationType.F32:
-            x = data.view(np.float32).reshape(rows_shape)
-        else:
-            x = gguf.quants.dequantize(data.reshape(rows_shape[0], -1), qtype).astype(np.float32).reshape(rows_shape)
+    for name, (qtype, x) in gguf_dequantized(path, _is_linear).items():
+        parts = name.split(".")
         if permuted and parts[2] in ("attn_q", "attn_k"):
             x = _unpermute(x, heads if parts[2] == "attn_q" else kv_heads)
-        out[f"model.layers.{parts[1]}.{_GGUF_LINEAR[parts[2]]}.weight"] = (qtype.name, x)
+        out[f"model.layers.{parts[1]}.{_GGUF_LINEAR[parts[2]]}.weight"] = (qtype, x)
     return out
 
 
@@ -204,29 +181,6 @@ def _f16_half_ulp(x: float) -> float:
 
 
 # -- corrupted packings ---------------------------------------------------------------------------
-def _edit_tensors(folder: Path, edit) -> None:
-    from quant_checkpoints import write_raw_safetensors
-
-    p = folder / "model.safetensors"
-    raw = p.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__")
-    codes = {"F32": "<f4", "F16": "<f2", "I32": "<i4", "I64": "<i8", "I8": "i1", "F8_E4M3": "u1"}
-    tensors = {}
-    for name, spec in header.items():
-        b, e = spec["data_offsets"]
-        tensors[name] = (spec["dtype"], np.frombuffer(raw[8 + n + b : 8 + n + e], codes[spec["dtype"]]).reshape(spec["shape"]))
-    edit(tensors)
-    write_raw_safetensors(p, tensors)
-
-
-def _edit_config(folder: Path, **changes) -> None:
-    c = json.loads((folder / "config.json").read_text())
-    c["quantization_config"].update(changes)
-    (folder / "config.json").write_text(json.dumps(c))
-
-
 QZ = "model.layers.0.self_attn.q_proj.qzeros"
 SC = "model.layers.0.self_attn.q_proj.scales"
 DOWN = "model.layers.0.mlp.down_proj."
@@ -235,30 +189,30 @@ DOWN = "model.layers.0.mlp.down_proj."
 @pytest.mark.parametrize(
     ("fmt", "opts", "corrupt", "match"),
     [
-        ("awq", {}, lambda d: _edit_tensors(d, lambda t: t.update({QZ: ("I32", t[QZ][1][:, :-1])})),
+        ("awq", {}, lambda d: edit_tensors(d, lambda t: t.update({QZ: ("I32", t[QZ][1][:, :-1])})),
          r"^awq tensor model.layers.0.self_attn.q_proj.weight: qzeros has shape \[4, 31\], expected \[4, 32\]$"),
-        ("awq", {}, lambda d: _edit_tensors(d, lambda t: t.pop(SC)), "q_proj.weight: missing scales$"),
-        ("awq", {}, lambda d: _edit_config(d, group_size=100), "group size 100 does not divide the input dimension 512"),
-        ("awq", {}, lambda d: _edit_config(d, version="gemv"), "^awq version 'gemv' is not supported; supported: awq gemm$"),
-        ("awq", {}, lambda d: _edit_config(d, zero_point=False), "awq without zero points"),
-        ("gptq", {}, lambda d: _edit_config(d, bits=3), "^gptq with 3 bits is not supported; supported: gptq with 2, 4 or 8 bits$"),
-        ("gptq", {}, lambda d: _edit_config(d, checkpoint_format="marlin"), "gptq checkpoint_format 'marlin' is not supported"),
-        ("gptq", {}, lambda d: _edit_tensors(d, lambda t: t.update({SC: ("F16", t[SC][1][:1])})),
+        ("awq", {}, lambda d: edit_tensors(d, lambda t: t.pop(SC)), "q_proj.weight: missing scales$"),
+        ("awq", {}, lambda d: edit_config(d, group_size=100), "group size 100 does not divide the input dimension 512"),
+        ("awq", {}, lambda d: edit_config(d, version="gemv"), "^awq version 'gemv' is not supported; supported: awq gemm$"),
+        ("awq", {}, lambda d: edit_config(d, zero_point=False), "awq without zero points"),
+        ("gptq", {}, lambda d: edit_config(d, bits=3), "^gptq with 3 bits is not supported; supported: gptq with 2, 4 or 8 bits$"),
+        ("gptq", {}, lambda d: edit_config(d, checkpoint_format="marlin"), "gptq checkpoint_format 'marlin' is not supported"),
+        ("gptq", {}, lambda d: edit_tensors(d, lambda t: t.update({SC: ("F16", t[SC][1][:1])})),
          r"scales has shape \[1, 256\], expected \[4, 256\]$"),
-        ("gptq", {"act_order": True}, lambda d: _edit_tensors(
+        ("gptq", {"act_order": True}, lambda d: edit_tensors(
             d, lambda t: t.update({"model.layers.0.self_attn.q_proj.g_idx": ("I32", np.full(512, 9, np.int32))})),
          "g_idx names groups outside 0..3$"),
-        ("fp8-block", {}, lambda d: _edit_tensors(d, lambda t: t.pop(DOWN + "weight_scale_inv")),
+        ("fp8-block", {}, lambda d: edit_tensors(d, lambda t: t.pop(DOWN + "weight_scale_inv")),
          "^fp8 tensor model.layers.0.mlp.down_proj.weight: missing weight_scale_inv \\(or weight_scale\\)$"),
-        ("fp8-block", {}, lambda d: _edit_config(d, weight_block_size=[64, 64]),
+        ("fp8-block", {}, lambda d: edit_config(d, weight_block_size=[64, 64]),
          r"weight_scale_inv has shape \[\d, \d\]; 64x64 blocks of \d+x\d+ need \[\d, \d+\]$"),
-        ("ct-pack", {}, lambda d: _edit_tensors(d, lambda t: t.pop(DOWN + "weight_shape")), "down_proj.weight: missing weight_shape$"),
-        ("ct-pack", {"sym": False}, lambda d: _edit_tensors(d, lambda t: t.pop(DOWN + "weight_zero_point")),
+        ("ct-pack", {}, lambda d: edit_tensors(d, lambda t: t.pop(DOWN + "weight_shape")), "down_proj.weight: missing weight_shape$"),
+        ("ct-pack", {"sym": False}, lambda d: edit_tensors(d, lambda t: t.pop(DOWN + "weight_zero_point")),
          "asymmetric, but missing weight_zero_point$"),
-        ("ct-pack", {}, lambda d: _edit_config(d, format="marlin-24"),
+        ("ct-pack", {}, lambda d: edit_config(d, format="marlin-24"),
          r"^compressed-tensors format 'marlin-24' is not supported; supported: compressed-tensors \(float-quantized, "
          r"pack-quantized, int-quantized, naive-quantized\)$"),
-        ("awq", {}, lambda d: _edit_config(d, quant_method="bitsandbytes"),
+        ("awq", {}, lambda d: edit_config(d, quant_method="bitsandbytes"),
          "^quantization method 'bitsandbytes' is not supported; supported: fp8 .*awq.*gptq.*compressed-tensors"),
     ],
 )
@@ -266,18 +220,18 @@ def test_corrupted_packings_are_one_line_errors(fmt, opts, corrupt, match, bare,
     quantize_folder(bare, tmp_path / "q", fmt, **opts)
     corrupt(tmp_path / "q")
     with pytest.raises(ConversionError, match=match) as e:
-        _read_quantized(tmp_path / "q")[0].close()
+        read_quantized(tmp_path / "q")[0].close()
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
 def test_convert_model_reports_a_bad_packing_and_writes_nothing(float_models, tmp_path):
     quantize_folder(float_models["qwen2"], tmp_path / "q", "gptq", bits=4)
-    _edit_tensors(tmp_path / "q", lambda t: t.pop(SC))
+    edit_tensors(tmp_path / "q", lambda t: t.pop(SC))
     with pytest.raises(ConversionError, match="^gptq tensor model.layers.0.self_attn.q_proj.weight: missing scales$"):
         convert_model(tmp_path / "q", "f16", tmp_path / "x.gguf", register=False)
     assert not (tmp_path / "x.gguf").exists()
-    _edit_config(tmp_path / "q", quant_method="hqq")
+    edit_config(tmp_path / "q", quant_method="hqq")
     with pytest.raises(ConversionError, match="^quantization method 'hqq' is not supported"):
         convert_model(tmp_path / "q", "f16", tmp_path / "x.gguf", register=False)
     assert list(tmp_path.glob("*.gguf*")) == []
@@ -300,18 +254,12 @@ def test_logits_match_numpy_forward_of_dequantized_weights(case, float_models, t
     import llama_cpp  # noqa: F401 - a hard dependency: missing, this test fails (never skips)
     from hf_models import llama_cpp_logits
     from numpy_reference import forward_logits
-    from quant_checkpoints import _read
 
     fmt, opts = CASES[case]
     src = float_models["llama"]
     expected = quantize_folder(src, tmp_path / "q", fmt, **opts)
     # The reference: the same folder with every quantized layer replaced by the test's dequantization.
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    for p in src.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors"):
-            (ref_dir / p.name).write_bytes(p.read_bytes())
-    write_safetensors(ref_dir / "model.safetensors", _read(src) | expected, "float32")
+    ref_dir = dequantized_folder(src, tmp_path / "ref", expected)
     tokens = [int(t) for t in np.random.default_rng(5).integers(17, 49152, 32)]
     ref = forward_logits(ref_dir, tokens)
     r = convert_model(tmp_path / "q", "f32", tmp_path / "f32.gguf", register=False)

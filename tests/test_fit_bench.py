@@ -153,3 +153,12 @@ def test_estimate_against_llama_cpp_buffers(default_model_path: Path, ctx: int, 
     est = estimate_memory(read_gguf(default_model_path), ctx, kv)
     assert est.kv_cache / 2**20 == pytest.approx(kv_mib, abs=0.01)
     assert est.compute / 2**20 == pytest.approx(compute_mib, rel=0.25)
+
+
+def test_ladder_names_a_member_by_its_tag_where_that_says_more():
+    from edgeinfer.fit import member_label
+
+    assert member_label("Q4_K_M", "q4_k_m") == "Q4_K_M"
+    assert member_label("IQ3_S", "iq3_s-noimat") == "IQ3_S-NOIMAT"  # the same type made without the imatrix
+    assert member_label("MXFP4_MOE", "mxfp4") == "MXFP4"  # llama.cpp's only MXFP4 file type
+    assert member_label(None, "custom") == "CUSTOM"

@@ -8,7 +8,8 @@ import pytest
 
 from test_quantize import synthetic_f16  # noqa: F401 (session fixture)
 
-REQUIRED = {"max-quality": "Q8_0", "quality": "Q6_K", "balanced": "Q4_K_M", "small": "Q3_K_M", "tiny": "Q2_K"}
+REQUIRED = {"max-quality": "Q8_0", "quality": "Q6_K", "balanced": "Q4_K_M", "small": "Q3_K_M", "tiny": "Q2_K",
+            "compact": "IQ3_M", "minimal": "IQ2_M"}
 
 
 def test_shipped_profiles_load():
@@ -24,17 +25,22 @@ def test_shipped_profiles_load():
 
 
 @pytest.mark.slow
-def test_every_shipped_profile_quantizes(synthetic_f16: Path):
+def test_every_shipped_profile_quantizes(synthetic_f16: Path, tmp_path: Path):
     from edgeinfer import read_gguf
+    from edgeinfer.imatrix_compute import compute_imatrix
     from edgeinfer.profiles import load_profiles
+    from edgeinfer.quant_types import IMATRIX_REQUIRED
     from edgeinfer.quantize import QUANT_TYPES, quantize_model
 
+    # the i-quant profiles need an importance matrix; a file outside the store is given one
+    imatrix = compute_imatrix(synthetic_f16, ctx=128, chunks=2, output=tmp_path / "s.imatrix.gguf", n_threads=2).path
     for name, profile in load_profiles().items():
         # balanced and long-context make the same file (the KV type applies at load): replace it.
         # Vocabulary-sized tensors the profile does not set stay F16 (copied), to keep the test fast.
         r = quantize_model(synthetic_f16, profile=profile, embedding_type="F16",
                            output_type=None if profile.output_type else "F16",
                            tag=profile.weights.lower() + (f"-{name}" if profile.output_type else ""),
+                           imatrix=imatrix if profile.weights in IMATRIX_REQUIRED else "auto",
                            overwrite=True, n_threads=2)
         assert r.manifest.source["kv_type"] == profile.kv_type
         tensors = read_gguf(r.path).tensors

@@ -391,3 +391,51 @@ def test_failing_progress_callback_aborts_cleanly(synthetic_f16: Path, edgeinfer
         quantize_model(synthetic_f16, "Q4_0", output_type="F16", embedding_type="F16", on_progress=broken, n_threads=2)
     assert Store().find("synthetic-llama:q4_0-custom") is None
     assert _leftovers(edgeinfer_home) == []
+
+
+def _nvfp4_reference(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_nvfp4_ref then dequantize, in numpy: per 16 values a UE4M3 scale of
+    amax/6 (gguf-py's port of ggml_fp32_to_ue4m3), each value the nearest of kvalues*scale (the
+    first on a tie, as its strict `<` loop)."""
+    from gguf.quants import NVFP4
+
+    g = x.reshape(-1, 16).astype(np.float32)
+    d = NVFP4.ue4m3_to_fp32(NVFP4.fp32_to_ue4m3(np.abs(g).max(axis=1) / np.float32(6.0)))[:, None]
+    kv = np.array(NVFP4.kvalues, np.float32)
+    best = np.abs(kv[None, None, :] * d[:, :, None] - g[:, :, None]).argmin(axis=2)
+    return (kv[best] * d).reshape(x.shape)
+
+
+def test_fp4_types_from_f16(synthetic_f16: Path):
+    """`quantize --types NVFP4,MXFP4`: every weight of the blocks in the FP4 type (the pinned
+    quantizer has no recipe of its own for either on a dense model: TYPE_RECIPES), the vocabulary
+    tensors Q8_0, the file type written over; the blocks are llama.cpp's reference rounding,
+    checked against gguf-py's MXFP4 quantizer and a numpy NVFP4 one."""
+    import gguf
+
+    from edgeinfer import read_gguf
+    from edgeinfer.quantize import available_quant_types, quantize_model
+
+    assert {"NVFP4", "MXFP4", "IQ2_XS", "IQ3_XXS", "IQ1_S"} <= set(available_quant_types())
+    src = read_gguf(synthetic_f16)
+    raw_src = np.memmap(synthetic_f16, dtype=np.uint8, mode="r")
+    weights = {t.name: np.frombuffer(raw_src[t.offset : t.offset + t.n_bytes], np.float16).astype(np.float32)
+               .reshape(t.shape[1], t.shape[0]) for t in src.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    for qtype, file_type in (("NVFP4", "NVFP4"), ("MXFP4", "MXFP4_MOE")):
+        r = quantize_model(synthetic_f16, qtype, n_threads=2)
+        assert r.manifest.tag == qtype.lower() and r.manifest.quant == file_type
+        info = read_gguf(r.path)
+        types = {t.name: t.type_name for t in info.tensors if len(t.shape) == 2}
+        assert {types[n] for n in weights} == {qtype}
+        assert types["token_embd.weight"] == "Q8_0" and types.get("output.weight", "Q8_0") == "Q8_0"
+        raw = np.memmap(r.path, dtype=np.uint8, mode="r")
+        for t in info.tensors:
+            if t.name not in weights:
+                continue
+            blocks = np.asarray(raw[t.offset : t.offset + t.n_bytes]).reshape(t.shape[1], -1)
+            w = weights[t.name]
+            if qtype == "MXFP4":
+                assert np.array_equal(blocks, gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)), t.name
+            else:
+                got = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.NVFP4).reshape(w.shape)
+                assert np.array_equal(got, _nvfp4_reference(w)), t.name

@@ -384,24 +384,25 @@ def test_durations_and_sizes():
 
 
 @pytest.mark.slow
-def test_the_estimate_counts_the_weights_llama_cpp_repacks(store, default_model_copy):
-    """A Q4_0 model: llama.cpp's CPU backend keeps an interleaved copy of its Q4_0 matrices
-    (the CPU_REPACK buffer it logs when loading) where the CPU has those kernels; the plan counts
-    exactly that, and nothing for a Q8_0 model (not copied)."""
+@pytest.mark.parametrize("qtype", ["Q4_0", "MXFP4", "NVFP4"])
+def test_the_estimate_counts_the_weights_llama_cpp_repacks(store, default_model_copy, qtype):
+    """A Q4_0 (or MXFP4) model: llama.cpp's CPU backend keeps an interleaved copy of its Q4_0
+    (MXFP4) matrices (the CPU_REPACK buffer it logs when loading) where the CPU has those kernels;
+    the plan counts exactly that, and nothing for a Q8_0 or NVFP4 model (not copied)."""
     import re
 
     from edgeinfer.llama_backend import log_capture
 
-    q4_0 = default_model_copy("Q4_0")
+    model = default_model_copy(qtype)
     said: list[str] = []
     with ModelService(ServiceOptions(defaults=ModelSettings(parallel=1, ctx=512, threads=1)), store=store) as service:
-        plan, q8 = service.plan(q4_0), service.plan(Q8)
-        with log_capture(lambda _level, text: said.append(text)), service.acquire(q4_0):
+        plan, q8 = service.plan(model), service.plan(Q8)
+        with log_capture(lambda _level, text: said.append(text)), service.acquire(model):
             pass
     logged = re.search(r"CPU_REPACK model buffer size =\s*([\d.]+) MiB", "".join(said))
     from edgeinfer.devices import build_info
 
-    if build_info().cpu_features.get("REPACK") != "1":  # no repacking kernels: nothing copied, nothing counted
+    if build_info().cpu_features.get("REPACK") != "1" or qtype == "NVFP4":  # nothing copied, nothing counted
         assert plan.memory.repack == 0 and logged is None
     else:
         assert logged is not None, "".join(said)[-2000:]

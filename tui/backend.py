@@ -19,6 +19,7 @@ from edgeinfer.convert import ConvertProgress, convert_model
 from edgeinfer.evaluate import EvalProgress, evaluate
 from edgeinfer.fit import FitReport, available_memory, fit
 from edgeinfer.hub import DEFAULT_QUANT
+from edgeinfer.imatrix_compute import ImatrixProgress, compute_imatrix
 from edgeinfer.quantize import QuantizeProgress, quantize_model
 
 __all__ = [
@@ -36,9 +37,9 @@ __all__ = [
     "one_line",
 ]
 
-TASK_KINDS: tuple[str, ...] = ("pull", "import", "convert", "quantize", "evaluate")
+TASK_KINDS: tuple[str, ...] = ("pull", "import", "convert", "quantize", "imatrix", "evaluate")
 # Tasks whose library call takes a cancel token (the others run to the end once started).
-CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "import", "convert", "quantize"})
+CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "import", "convert", "quantize", "imatrix"})
 
 
 def one_line(e: BaseException) -> str:
@@ -139,7 +140,8 @@ def _rate(bytes_per_s: float) -> str:
 
 def progress_from_event(ev: object, default_key: str = "task") -> TaskProgress:
     """The library's progress events as bars: one per file of a pull, one per task for convert and
-    quantize (per tensor), one per model for evaluate (per chunk); the pull's plan and stages are
+    quantize (per tensor), one for an importance matrix (per chunk), one per model for evaluate (per
+    chunk); the pull's plan and stages are
     status lines. A download's rate shows once it is known."""
     match ev:
         case DownloadProgress(file=name, done=done, total=total, status=status, rate=rate):
@@ -153,6 +155,8 @@ def progress_from_event(ev: object, default_key: str = "task") -> TaskProgress:
             )
         case ConvertProgress():
             return TaskProgress(key=default_key, label=ev.tensor, done=ev.index, total=ev.count)
+        case ImatrixProgress():
+            return TaskProgress(key=default_key, label=f"chunk {ev.chunk}/{ev.n_chunks}", done=ev.chunk, total=ev.n_chunks)
         case EvalProgress():
             label = f"{ev.model} chunk {ev.chunk}/{ev.n_chunks}"
             return TaskProgress(key=f"{default_key}-{ev.model}", label=label, done=ev.chunk, total=ev.n_chunks)
@@ -246,7 +250,8 @@ class LibraryBackend:
     ) -> str:
         """Run one manage task (blocking, from a worker thread); returns a one-line result.
         `cancel` stops a pull between chunks (the partial file is kept for a resume), a
-        conversion between tensors and a quantization at once (nothing is left behind)."""
+        conversion between tensors, an importance matrix between chunks and a quantization at
+        once (nothing is left behind)."""
 
         def progress(ev: object) -> None:
             on_progress(progress_from_event(ev, kind))
@@ -261,6 +266,9 @@ class LibraryBackend:
             ref = manifest.ref if manifest is not None else None
         elif kind == "quantize":
             ref = quantize_model(source, args.get("qtype") or DEFAULT_QUANT, on_progress=progress, cancel=cancel).ref
+        elif kind == "imatrix":  # kept with the model, where quantize finds it
+            result = compute_imatrix(source, on_progress=progress, cancel=cancel)
+            return f"imatrix: {result.entries} tensors, {result.chunks} chunks → {result.path.name}"
         elif kind == "evaluate":  # against the full-precision model it was derived from; saved in the manifest
             result = evaluate(source, on_progress=progress)
             if result.kld is not None and result.same_top is not None:

@@ -1,5 +1,5 @@
 """The manage screen: the store's models (delete), the quality ladder of a model (table + bars),
-and pull / convert / quantize / evaluate with progress bars.
+and pull / convert / quantize / imatrix / evaluate with progress bars.
 
 A task's tab opens with its first field focused; Enter in a field starts the task."""
 
@@ -32,6 +32,7 @@ from textual.widgets import (
 )
 
 from edgeinfer import Cancelled
+from edgeinfer.fit import member_label
 from edgeinfer.hub import DEFAULT_QUANT
 
 from .backend import CANCELLABLE_TASKS, Backend, ModelEntry, TaskProgress, one_line
@@ -59,7 +60,14 @@ TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
     "quantize": (
         "Quantize",
         [("source", "Model", "smollm2-135m-instruct:f16"), ("qtype", "Quant type", DEFAULT_QUANT)],
-        "k-quants through llama.cpp's quantizer; progress per tensor.",
+        "k-quants (Q2_K..Q8_0), i-quants (IQ1_S..IQ4_XS: with the model's importance matrix, computed first where "
+        "needed) and FP4 (NVFP4, MXFP4) through llama.cpp's quantizer; progress per tensor.",
+    ),
+    "imatrix": (
+        "Imatrix",
+        [("source", "Model", "smollm2-135m-instruct:f16")],
+        "The importance matrix the i-quants use, from the calibration text shipped with edgeinfer; kept with "
+        "the model, where Quantize finds it.",
     ),
     "evaluate": (
         "Evaluate",
@@ -80,23 +88,28 @@ def _bar(value: float, vmax: float, width: int) -> str:
     return "█" * full + (eighths[int(frac * 8)] if full < width and frac > 0 else "")
 
 
+def _label(e: ModelEntry) -> str:
+    """A ladder member's name: its quant, or its tag where that says more (`IQ3_S-NOIMAT`)."""
+    return member_label(e.quant, e.ref.partition(":")[2]) if ":" in e.ref else (e.quant or e.ref)
+
+
 def ladder_chart(entries: list[ModelEntry], width: int = 40) -> Text:
     """Horizontal bars of KLD and size per quant (text, so it works in any terminal)."""
     out = Text()
-    label_w = max((len(e.quant or e.ref) for e in entries), default=4) + 2
+    label_w = max((len(_label(e)) for e in entries), default=4) + 2
     with_kld = [e for e in entries if e.kld is not None]
     out.append("KLD vs reference (lower is better)\n", style="bold")
     if not with_kld:
         out.append("  not measured yet: run `edgeinfer eval` on these models\n", style="dim")
     kmax = max((e.kld or 0 for e in with_kld), default=0)
     for e in with_kld:
-        out.append(f"  {(e.quant or e.ref):<{label_w}}")
+        out.append(f"  {_label(e):<{label_w}}")
         out.append(_bar(e.kld or 0, kmax, width), style="magenta")
         out.append(f" {e.kld:.4f}\n")
     out.append("Size\n", style="bold")
     smax = max((e.size for e in entries), default=0)
     for e in entries:
-        out.append(f"  {(e.quant or e.ref):<{label_w}}")
+        out.append(f"  {_label(e):<{label_w}}")
         out.append(_bar(e.size, smax, width), style="cyan")
         bpw = f", {e.bits_per_weight:.2f} bits/w" if e.bits_per_weight else ""
         out.append(f" {format_size(e.size)}{bpw}\n")
@@ -235,7 +248,7 @@ class ManageScreen(Screen):
 
         for e in rungs:
             table.add_row(
-                e.quant or e.ref,
+                _label(e),
                 format_optional(e.bits_per_weight, ".2f"),
                 format_size(e.size),
                 format_optional(e.ppl, ".3f"),

@@ -26,8 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["f32", "f16", "bf16", "q8_0", "auto"],  # edgeinfer.convert.OUTTYPE_CHOICES (a test keeps them equal)
         default=None,
         help="tensor type of the output (default: bf16 for a bf16 checkpoint, else f16). Quantized checkpoints "
-        "(FP8, AWQ, GPTQ, compressed-tensors) are dequantized exactly; 'auto' writes their 4-bit layers straight "
-        "into Q4_1/Q4_0 blocks (8-bit symmetric ones into Q8_0) without re-quantizing, the rest as Q8_0",
+        "(FP8, AWQ, GPTQ, compressed-tensors, ModelOpt) are dequantized exactly; 'auto' writes their 4-bit layers "
+        "straight into Q4_1/Q4_0 blocks (8-bit symmetric ones into Q8_0, NVFP4/MXFP4 into NVFP4/MXFP4) without "
+        "re-quantizing, the rest as Q8_0",
     )
     p.add_argument("-o", "--output", metavar="FILE", help="write the GGUF here instead of into the store (a new "
                    "path or a regular file outside the store)")

@@ -142,7 +142,7 @@ def _ladder(args: argparse.Namespace) -> int:
 
     from edgeinfer.bench import bench_many
     from edgeinfer.evaluate import default_eval_text, default_reference, evaluate_many
-    from edgeinfer.fit import ladder
+    from edgeinfer.fit import ladder, member_label
     from edgeinfer.store import Store
 
     store = Store()
@@ -189,7 +189,8 @@ def _ladder(args: argparse.Namespace) -> int:
         ev = m.metrics.get("eval") or {}
         bench = m.metrics.get("bench") or {}
         rows.append([
-            (m.quant or m.tag) + (" (ref)" if m.ref == reference else ""),
+            member_label(m.quant, m.tag) + (" (ref)" if m.ref == reference else ""),
+            "yes" if m.source.get("imatrix") else "-",
             f"{m.bits_per_weight:.2f}",
             format_bytes(m.size),
             _fmt(ev.get("ppl"), ".3f"),
@@ -199,5 +200,6 @@ def _ladder(args: argparse.Namespace) -> int:
             _fmt(bench.get("decode_tok_s"), ".1f"),
         ])
     print(f"ladder {args.ladder}, reference {reference or '-'}, ctx {ctx}")
-    print_table(rows, ["type", "bits/weight", "size", "PPL", "PPL ratio", "KLD", "same-top %", "decode tok/s"])
+    print_table(rows, ["type", "imatrix", "bits/weight", "size", "PPL", "PPL ratio", "KLD", "same-top %",
+                       "decode tok/s"])
     return 0

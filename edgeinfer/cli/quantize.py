@@ -1,4 +1,4 @@
-"""`edgeinfer quantize MODEL --type T | --types A,B,C | --profile NAME`: llama.cpp's k-quants into the store."""
+"""`edgeinfer quantize MODEL --type T | --types A,B,C | --profile NAME`: llama.cpp's quants into the store."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quantize",
         parents=[common_options()],
-        help="quantize a model into the store (k-quants through llama.cpp's quantizer)",
+        help="quantize a model into the store (k-quants, i-quants, FP4 through llama.cpp's quantizer)",
         description="Quantize a GGUF (store name or path) with llama.cpp's own quantizer. The result is a new "
         "store entry NAME:TYPE (e.g. smollm2-135m-instruct:q4_k_m); its effective bits per weight and the "
-        "tensors that fell back to another type (rows not a multiple of 256) are reported.",
+        "tensors that fell back to another type (rows not a multiple of 256) are reported. i-quants use the "
+        "model's importance matrix (see --imatrix and `edgeinfer imatrix`).",
     )
     p.add_argument("model", help="source model: store name or .gguf path (ideally F16/BF16/F32)")
     what = p.add_mutually_exclusive_group(required=True)
@@ -29,7 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embedding-type", help="ggml type of token_embd.weight")
     p.add_argument("--override", action="append", default=[], metavar="PATTERN=TYPE",
                    help="tensor-name regex = ggml type (repeatable; first match wins)")
-    p.add_argument("--imatrix", help="importance matrix (llama-imatrix GGUF output)")
+    p.add_argument("--imatrix", default="auto", metavar="FILE|auto|none",
+                   help="importance matrix: a llama-imatrix GGUF file; 'auto' (the default): the one `edgeinfer "
+                   "imatrix` kept with the source, for the types that use one (i-quants, k-quants below 4 bits), "
+                   "computed first where the type needs one (IQ1_*, IQ2_*, IQ3_XXS, IQ3_XS); 'none': none "
+                   "(the tag gets -noimat)")
     p.add_argument("--allow-requantize", action="store_true",
                    help="allow a source that is already quantized (quality is lost twice)")
     p.add_argument("--name", help="store name of the result (default: the source's name)")
@@ -51,6 +56,25 @@ def _parse_overrides(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def _compute_needed_imatrix(model: str, types: list[str], threads: int | None) -> None:
+    """A type that needs an importance matrix gets one computed first, with a progress bar (the
+    library would compute it silently)."""
+    from edgeinfer.imatrix_compute import stored_imatrix
+    from edgeinfer.quant_types import IMATRIX_REQUIRED
+    from edgeinfer.store import Store
+
+    needs = [t for t in types if t.upper() in IMATRIX_REQUIRED]
+    if not needs:
+        return
+    _, manifest = Store().resolve(model)
+    if manifest is not None and stored_imatrix(manifest) is None:
+        from .imatrix import compute_with_progress
+
+        print(f"{manifest.ref}: computing an importance matrix ({', '.join(needs)} need one)", file=sys.stderr)
+        r = compute_with_progress(manifest.ref, n_threads=threads)
+        print(f"{r.model}: importance matrix of {r.entries} tensors, {r.chunks} chunks -> {r.path}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from edgeinfer.errors import InvalidOptionError
     from edgeinfer.profiles import get_profile
@@ -64,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         types = [args.type or profile.weights]  # type: ignore[union-attr]
     overrides = _parse_overrides(args.override)
+    imatrix = None if args.imatrix == "none" else args.imatrix
+    if imatrix == "auto":
+        _compute_needed_imatrix(args.model, types, args.threads)
 
     rows = []
     for qtype in types:
@@ -77,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 result = quantize_model(
                     args.model, qtype, profile=profile, output_type=args.output_type,
-                    embedding_type=args.embedding_type, overrides=overrides, imatrix=args.imatrix,
+                    embedding_type=args.embedding_type, overrides=overrides, imatrix=imatrix,
                     allow_requantize=args.allow_requantize, name=args.name, tag=args.tag,
                     overwrite=args.force, on_progress=progress, n_threads=args.threads,
                 )

@@ -6,7 +6,7 @@
 Architectures live in `edgeinfer.convert.arch` (one small module each); the tokenizer in
 `tokenizer` (byte-level BPE tokenizer.json, SentencePiece tokenizer.model); the bounds-checked
 safetensors reader in `safetensors`; quantized checkpoints (FP8, AWQ, GPTQ, compressed-tensors) in
-`quantized`.
+`quantized` (NVFP4/MXFP4 from compressed-tensors and ModelOpt in `quantized.fp4`).
 """
 
 from __future__ import annotations

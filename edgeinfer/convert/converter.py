@@ -5,9 +5,10 @@ presence and shape). The GGUF header and tensor table are written first; then ea
 from the memory map in row blocks, converted, written and its source pages dropped, so peak memory
 is a few row blocks, not the model. The file appears under its final name only when complete.
 
-Quantized checkpoints (FP8, AWQ, GPTQ, compressed-tensors; see `quantized`) are dequantized row
-block by row block; with outtype "auto" the 4-bit (and 8-bit symmetric) layers whose groups a GGUF
-block type holds as they are go straight into Q4_1/Q4_0/Q8_0 blocks, without a second rounding.
+Quantized checkpoints (FP8, AWQ, GPTQ, compressed-tensors; NVFP4/MXFP4: see `quantized`, `fp4`) are
+dequantized row block by row block; with outtype "auto" the 4-bit (and 8-bit symmetric) layers whose
+groups a GGUF block type holds as they are go straight into Q4_1/Q4_0/Q8_0/MXFP4/NVFP4 blocks,
+without a second rounding (an NVFP4 layer's per-tensor scale beside it, as `<name>.scale`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .arch import Architecture, HParams, TensorSpec, architecture_for
 from .embedding import adapt_checkpoint, read_embedding_spec
 from .medusa import MEDUSA_ARCH, convert_medusa, is_medusa_config
 from .quantized import QuantizedTensor, QuantScheme, scheme_for
+from .quantized.fp4 import scale_applied
 from .safetensors import FLOAT_DTYPES, Checkpoint, SafetensorsFile, TensorEntry, open_checkpoint
 from .tokenizer import load_vocab
 
@@ -66,7 +68,8 @@ OUTTYPES: dict[str, tuple[QT, LlamaFileType]] = {
 # other matrix Q8_0, vectors F32.
 OUTTYPE_CHOICES: tuple[str, ...] = (*OUTTYPES, "auto")
 _FILE_TYPES = {QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
-               QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1}
+               QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+               QT.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE, QT.NVFP4: LlamaFileType.MOSTLY_NVFP4}
 _CHUNK_BYTES = 16 << 20  # float32 bytes per row block
 _IN_FLIGHT = 3  # row blocks converted ahead of the writer
 
@@ -91,8 +94,8 @@ class DirectTensor:
     """A layer written from the checkpoint's integers straight into a GGUF block type."""
 
     name: str  # GGUF tensor name
-    qtype: str  # "Q4_1", "Q4_0" or "Q8_0"
-    max_error: float  # max |GGUF value - dequantized checkpoint value| (f16 rounding of d and m)
+    qtype: str  # "Q4_1", "Q4_0", "Q8_0", "MXFP4" or "NVFP4"
+    max_error: float  # max |GGUF value - dequantized checkpoint value| (f16 rounding of d and m; FP4: see fp4.py)
 
 
 @dataclass(frozen=True)
@@ -381,6 +384,12 @@ def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT
             qtype, direct = QT.F32, False
         elif outtype is None:  # a transformed layer is dequantized: its blocks cannot be copied
             qtype, direct = _auto_type(out_shape, None if spec.transformed else quant)
+            if direct and (scale := quant.tensor_scale()) is not None:  # type: ignore[union-attr]
+                if not scale_applied(arch.name, gguf_name):  # llama.cpp would ignore `.scale` here
+                    qtype, direct = _auto_type(out_shape, None)
+                else:
+                    plans.append(_Plan(gguf_name.removesuffix(".weight") + ".scale", (1,), QT.F32, 4,
+                                       data=np.array([scale], np.float32)))
         else:
             qtype, direct = _out_type(out_shape, outtype), False
         source = ckpt.where[hf_name] if quant is None else None
@@ -423,9 +432,10 @@ def convert_model(
     """Convert a Hugging Face model folder to GGUF and register it in the store.
 
     `outtype` is f32, f16, bf16, q8_0 or auto; None picks bf16 for a bf16 checkpoint, else f16.
-    Quantized checkpoints (config.json's quantization_config: fp8, awq, gptq, compressed-tensors)
-    are dequantized exactly; "auto" writes their 4-bit layers straight into Q4_1/Q4_0 blocks (8-bit
-    symmetric ones into Q8_0) where the groups allow it and everything else as Q8_0, and the
+    Quantized checkpoints (config.json's quantization_config: fp8, awq, gptq, compressed-tensors,
+    modelopt) are dequantized exactly; "auto" writes their 4-bit layers straight into Q4_1/Q4_0
+    blocks (8-bit symmetric ones into Q8_0, NVFP4/MXFP4 into NVFP4/MXFP4) where the groups allow it
+    and everything else as Q8_0, and the
     result's `direct` lists each such layer with its max error against the dequantized checkpoint.
     Without `output` the file goes into the store as `<name>:<outtype>`; with it, the file is
     written there and registered as an external (not store-owned) model. `repo_id` records the

@@ -32,6 +32,7 @@ DTYPES: dict[str, tuple[np.dtype, int]] = {
     "BF16": (np.dtype("<u2"), 2),
     "F8_E4M3": (np.dtype("u1"), 1),
     "F8_E5M2": (np.dtype("u1"), 1),
+    "F8_E8M0": (np.dtype("u1"), 1),  # MX scales: a biased power of two
     "I64": (np.dtype("<i8"), 8),
     "I32": (np.dtype("<i4"), 4),
     "I16": (np.dtype("<i2"), 2),

@@ -49,8 +49,9 @@ class MemoryParts:
 # The weight types llama.cpp's CPU backend copies into interleaved blocks at load (its CPU_REPACK
 # buffer), for the matrices of the layers, where the CPU has the kernels (feature REPACK): the
 # mapped file stays resident beside the copy. Measured on 0.3.36 (AVX2/AVX512): the CPU_REPACK
-# buffer is exactly the bytes of these tensors (Q8_0, Q3_K, Q5_K, Q6_K and the rest: not copied).
-_REPACKED_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL"})
+# buffer is exactly the bytes of these tensors (Q8_0, Q3_K, Q5_K, Q6_K, NVFP4 and the rest: not
+# copied; an MXFP4 copy of the default model: 53 MiB CPU_REPACK, its MXFP4 bytes).
+_REPACKED_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"})
 
 
 @functools.cache

@@ -63,7 +63,11 @@ def _process_start() -> float:
 def find_garbage(store: _Folders, names: Collection[str] | None = None) -> list[Garbage]:
     """What `Store.garbage` lists (its docstring says what counts)."""
     started = _process_start()
-    named = {os.path.realpath(m.file) for m in store.list()}
+    models = store.list()
+    named = {os.path.realpath(m.file) for m in models}
+    # a model's importance matrix (imatrix_compute) lives beside it while its manifest records it
+    named |= {os.path.realpath(rec["file"]) for m in models
+              if isinstance(rec := m.metrics.get("imatrix"), dict) and isinstance(rec.get("file"), str)}
     for path in store.manifests_dir.glob("*/*.json"):  # a damaged manifest may still name its file
         with contextlib.suppress(OSError, ValueError, RecursionError):
             data = json.loads(path.read_bytes()[:MAX_MANIFEST_BYTES]) if path.is_file() else None

@@ -362,7 +362,8 @@ class Store:
     # -- garbage ---------------------------------------------------------------------------------
     def garbage(self, names: Collection[str] | None = None) -> list[Garbage]:
         """Files under the store that nothing uses: partial writes (`*.partial`) whose writer is
-        gone, and model files (`*.gguf`) in the models folder that no manifest names.
+        gone, and model files (`*.gguf`) in the models folder that no manifest names (nor records as
+        its importance matrix).
 
         Only files older than this process count, and none a live writer holds (the flock of
         `atomic_path`, the `writing` lock of the name). `names` limits it to those models' folders.

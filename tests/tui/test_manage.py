@@ -74,6 +74,11 @@ def test_quantize_task_progress_and_error(make_app, backend):
             await _start(pilot, screen, "quantize", source="bad")
             await wait_for(pilot, lambda: "error: no such model folder: bad" in str(result.render()))
             assert any("no such model folder" in n.message for n in app._notifications)
+            # the importance matrix the i-quants use: a task of its own, with a bar
+            await _start(pilot, screen, "imatrix", source="smollm2-135m-instruct:q8_0")
+            await wait_for(pilot, lambda: "done" in str(screen.query_one("#imatrix-result").render()))
+            assert backend.tasks[-1] == ("imatrix", {"source": "smollm2-135m-instruct:q8_0"})
+            assert [b.progress for b in screen.query("#imatrix-bars ProgressBar")] == [5]
 
     run(main())
 
@@ -190,6 +195,7 @@ def test_progress_events_of_the_library_map_to_bars():
     from edgeinfer import DownloadProgress, PullPlan, PullStage
     from edgeinfer.convert import ConvertProgress
     from edgeinfer.evaluate import EvalProgress
+    from edgeinfer.imatrix_compute import ImatrixProgress
     from edgeinfer.quantize import QuantizeProgress
     from edgeinfer_tui.backend import progress_from_event
 
@@ -209,6 +215,8 @@ def test_progress_events_of_the_library_map_to_bars():
     assert (p.key, p.done, p.total, p.label) == ("quantize", 3, 30, "blk.0.attn_q.weight → Q4_K")
     p = progress_from_event(ConvertProgress(tensor="token_embd.weight", index=1, count=30, bytes_done=1, bytes_total=9), "convert")
     assert (p.done, p.total, p.label) == (1, 30, "token_embd.weight")
+    p = progress_from_event(ImatrixProgress(chunk=3, n_chunks=13), "imatrix")
+    assert (p.key, p.label, p.done, p.total) == ("imatrix", "chunk 3/13", 3, 13)
     p = progress_from_event(EvalProgress(model="m:q4", chunk=2, n_chunks=8), "evaluate")
     assert (p.key, p.done, p.total, p.label) == ("evaluate-m:q4", 2, 8, "m:q4 chunk 2/8")
 

@@ -1,4 +1,4 @@
-"""Quantized Hugging Face checkpoints (FP8, AWQ, GPTQ, compressed-tensors), dequantized in numpy.
+"""Quantized Hugging Face checkpoints (FP8, AWQ, GPTQ, compressed-tensors, NVFP4/MXFP4), dequantized in numpy.
 
 `config.json`'s `quantization_config` names the method; `scheme_for(config, folder)` turns it into a
 `QuantScheme`, which groups each quantized linear layer's stored parts (packed integers, scales,
@@ -14,6 +14,7 @@ writes it:
     awq.py                 AWQ GEMM, 4-bit
     gptq.py                GPTQ, 2/4/8-bit, act-order
     compressed_tensors.py  compressed-tensors (pack-, int-, naive-quantized; float-quantized through fp8.py)
+    fp4.py                 NVFP4 and MXFP4 (compressed-tensors' FP4 formats, ModelOpt), carried into GGUF FP4 blocks
     integer.py             integer weights with scales and zero points, and the GGUF blocks that hold them as they are
     base.py                what they share: parts, QuantizedTensor, QuantScheme, element decoding
     schemes.py             which scheme reads a checkpoint (a new family: a module here and its line in SCHEMES)

@@ -81,6 +81,10 @@ class QuantizedTensor:
     def direct_type(self) -> QT | None:
         return None
 
+    def tensor_scale(self) -> float | None:
+        """A per-tensor multiplier GGUF must carry beside the direct blocks (`<name>.scale`), if any."""
+        return None
+
     def direct_rows(self, qtype: QT, r0: int, r1: int) -> DirectBlocks:  # pragma: no cover
         raise NotImplementedError
 

@@ -4,7 +4,8 @@
 A new format family is a module beside fp8.py, awq.py, gptq.py and compressed_tensors.py — a
 QuantizedTensor subclass for its stored parts (integer.py's IntTensor where the weights are integers
 with a scale and a zero point), a QuantScheme subclass with its `method`, `supported`, `suffixes`
-and `make` — and its line in SCHEMES here.
+and `make` — and its line in SCHEMES here. FP4 (fp4.py) is asked first: its formats live inside
+compressed-tensors' method, and ModelOpt's older exports name theirs in hf_quant_config.json.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ...errors import ConversionError
 from .awq import AWQScheme
 from .base import QuantScheme
 from .compressed_tensors import CompressedTensorsScheme
+from .fp4 import CompressedFP4Scheme, ModelOptScheme, fp4_scheme_for
 from .fp8 import FP8Scheme
 from .gptq import GPTQScheme
 
@@ -29,13 +31,17 @@ SCHEMES: dict[str, type[QuantScheme]] = {
     "awq": AWQScheme,
     "gptq": GPTQScheme,
     "compressed-tensors": CompressedTensorsScheme,
+    "modelopt": ModelOptScheme,
 }
-SUPPORTED_METHODS = ", ".join(scheme.supported for scheme in dict.fromkeys(SCHEMES.values()))
+SUPPORTED_METHODS = ", ".join(scheme.supported for scheme in dict.fromkeys((*SCHEMES.values(), CompressedFP4Scheme)))
 
 
 def scheme_for(config: dict[str, Any], folder: Path) -> QuantScheme | None:
     """The checkpoint's quantization (config.json's quantization_config, or an AutoGPTQ
     quantize_config.json), or None for a float checkpoint. Unknown methods are one-line errors."""
+    fp4 = fp4_scheme_for(config, folder)
+    if fp4 is not None:
+        return fp4
     qc = config.get("quantization_config")
     if qc is None:
         legacy = Path(folder) / "quantize_config.json"
