@@ -53,6 +53,9 @@ __all__ = [
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 _MAX_MANIFEST_BYTES = 4 << 20  # a manifest is a few KB; a bigger file is not one of ours
+# Files kept beside a manifest `<tag>.json` as `<tag><suffix>` (edgeinfer.tune's profile and its
+# picture): removed with the manifest.
+SIDECAR_SUFFIXES = (".tuned", ".tuned.svg")
 
 logger = logging.getLogger(__name__)
 
@@ -592,6 +595,9 @@ class Store:
             raise StoreError(f"{path} is outside the store; refusing to delete it")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        for suffix in SIDECAR_SUFFIXES:  # what other modules keep beside the manifest goes with it
+            with contextlib.suppress(FileNotFoundError):
+                path.with_name(path.stem + suffix).unlink()
         with contextlib.suppress(OSError):
             path.parent.rmdir()  # only when empty
 

@@ -249,10 +249,11 @@ class Engine(ModelFace):
 
     def reset(self) -> None:
         """Forget the cached prompt, so the next request starts from an empty KV cache (a request
-        normally re-uses the longest prefix it shares with the previous one)."""
+        normally re-uses the longest prefix it shares with the previous one), in its draft models too."""
         self._check_open()
         with self._slot.hold():
             self._scheduler.slots[0].seq.clear()
+            self._drafts.forget_cached()
 
     # -- saved conversations (engine/state/session.py) -------------------------------------------------
     def save_session(self, path: str | os.PathLike[str],
