@@ -24,6 +24,7 @@ class Tuned:
 
     model: str | None  # the store ref to load (the rung the profile runs), or what was asked for
     setup: Any | None  # edgeinfer.tune.Setup
+    serve: dict[str, int] | None = None  # parallel slots and context for `serve` (tune --serve)
 
     def load_fields(self, given: dict[str, Any]) -> dict[str, Any]:
         """LoadOptions fields: `given` (the flags' values, None where unset) over the profile's."""
@@ -68,4 +69,4 @@ def tuned_for(model: str | None, untuned: bool) -> Tuned:
     setup = status.profile.setup
     print(f"edgeinfer: tuned: {setup.label(short_model=False)} (flags override it; --untuned ignores it)",
           file=sys.stderr)
-    return Tuned(setup.model, setup)
+    return Tuned(setup.model, setup, status.profile.serve)

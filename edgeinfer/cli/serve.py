@@ -197,8 +197,10 @@ def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 -
     default_model = tuned.model
     if tuned.setup is not None:
         s = tuned.setup
+        slots = tuned.serve or {}
         profile = edgeinfer.ModelSettings(threads=s.threads, kv_type=s.kv_type_k, kv_type_k=s.kv_type_k,
-                                          kv_type_v=s.kv_type_v, flash_attn=s.flash_attn, speculate=s.speculate)
+                                          kv_type_v=s.kv_type_v, flash_attn=s.flash_attn, speculate=s.speculate,
+                                          parallel=slots.get("parallel"), ctx=slots.get("ctx"))
         tables = {**tables, s.model: tables.get(s.model, edgeinfer.ModelSettings()).over(profile)}
     placement = {k: v for k, v in placement_options(args).items() if v not in (None, (), "auto")}
     flags = edgeinfer.ModelSettings(

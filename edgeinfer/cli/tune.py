@@ -87,6 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"{','.join(k if k == v else f'{k}/{v}' for k, v in KV_PAIRS)})")
     p.add_argument("--exhaustive", action="store_true",
                    help="measure every setup on the whole workload, whatever the budget (slow: for checking the search)")
+    p.add_argument("--serve", action="store_true",
+                   help="also measure the choice with 2 and 4 parallel slots, for `serve` (as much as the budget "
+                   "leaves; a slot count is kept when it serves more tokens a second within twice one request's "
+                   "time to first token)")
     p.add_argument("--plot", metavar="FILE.svg", help="also write the picture here (it is kept beside the profile)")
     p.add_argument("--fresh", action="store_true", help="measure again what an earlier tune measured")
     p.add_argument("--no-save", action="store_true", help="do not keep the choice as the model's profile")
@@ -120,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = edgeinfer.tune(args.model, max_kld=args.max_kld, memory=args.memory, workload=args.workload,
                                 budget=args.budget, progress=progress, make=make, exhaustive=args.exhaustive,
+                                serve=args.serve,
                                 methods=args.methods, kv_pairs=args.kv_types or KV_PAIRS, save=not args.no_save,
                                 fresh=args.fresh)
     except TuneInterrupted as e:
@@ -154,6 +159,12 @@ def _report(result, header: list[str], plot: str | None) -> None:  # noqa: ANN00
     print(f"       {m.tok_s:.1f} tok/s on the {result.workload.name} workload{vs}, time to first token "
           f"{m.ttft_s:.2f} s, KLD {c.kld:.4f} (max {result.max_kld:g}, against {result.reference}), "
           f"{format_bytes(c.memory)}")
+    for run in result.serve_runs:
+        mark = "*" if result.serve == run else " "
+        print(f"serve {mark} {run.parallel} slots, context {run.ctx}: {run.tok_s:.1f} tok/s in all, time to first "
+              f"token {run.ttft_s:.2f} s")
+    if result.serve_runs and result.serve is None:
+        print("serve   one slot: more did not serve more within twice its time to first token")
     if result.profile_path is not None:
         print(f"saved  as the tuned profile of {result.model}: run, chat and serve use it (--untuned ignores it)")
     pictures = [str(p) for p in (result.plot_path, plot) if p]

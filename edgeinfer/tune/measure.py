@@ -27,13 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..engine.core.options import GenerateOptions, SamplingOptions, SpeculationOptions
+from ..engine.core.options import SpeculationOptions
 from ..errors import EdgeInferError
 from .space import METHODS, Setup
 from .workload import WorkItem, Workload
 
 if TYPE_CHECKING:
     from ..engine import Engine
+    from ..engine.core.options import GenerateOptions
     from ..store import Store
 
 __all__ = ["Level", "LEVELS", "Measurement", "Measurer", "ItemTime", "SHORT_PROMPT_CHARS"]
@@ -41,6 +42,7 @@ __all__ = ["Level", "LEVELS", "Measurement", "Measurer", "ItemTime", "SHORT_PROM
 log = logging.getLogger(__name__)
 
 SHORT_PROMPT_CHARS = 2000  # a request whose messages are shorter than this counts as short (level 0)
+_CHARS_PER_TOKEN = 4  # English and code in a BPE vocabulary, for estimates only
 
 
 @dataclass(frozen=True)
@@ -124,11 +126,6 @@ def _chars(item: WorkItem) -> int:
     return sum(len(m["content"]) for m in item.messages)
 
 
-def _greedy(max_tokens: int, speculation: SpeculationOptions) -> GenerateOptions:
-    return GenerateOptions(max_tokens=max_tokens, sampling=SamplingOptions(temperature=0.0),
-                           speculation=speculation).validate()
-
-
 class Measurer:
     """Loads each load key once and times its setups (see the module). `stop()` is polled between
     requests: True ends the group early, with what was measured whole."""
@@ -168,6 +165,14 @@ class Measurer:
             total += prompt * max(1, fresh) + len(setups) * level.tokens(item) * per_token
         return total
 
+    def prefill_seconds(self, ref: str, tokens: int) -> float:
+        """Seconds `ref` should take to read `tokens` tokens, from the prompts timed so far (0 before any)."""
+        if not self.prompts:
+            return 0.0
+        size = self._size(ref)
+        per_char = statistics.median(t * size / max(b, 1) / max(c, 1) for b, c, t in self.prompts[-12:])
+        return per_char * _CHARS_PER_TOKEN * tokens
+
     def _size(self, ref: str) -> int:
         m = self.store.find(ref)
         return m.size if m is not None else 1
@@ -202,9 +207,7 @@ class Measurer:
 
     def _measure_on(self, engine: Engine, setups: list[Setup], level: Level,
                     on_result: Callable[[Setup, Measurement | None, str], None], remeasure: bool) -> None:
-        from ..default_model import default_system_prompt
-
-        system = default_system_prompt(engine.manifest.ref if engine.manifest else engine.path)
+        model = engine.manifest.ref if engine.manifest else engine.path
         fresh = [s for s in setups if s.speculate == "off" or METHODS[s.speculation().method].fresh]
         after_prompt = [s for s in setups if s not in fresh]
         times: dict[str, list[ItemTime]] = {s.key: [] for s in setups}
@@ -212,13 +215,11 @@ class Measurer:
         for item in level.items(self.workload):
             if self.stop():
                 break
-            messages = list(item.messages)
-            if system and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": system})
+            messages = item.chat_messages(model)
             n = level.tokens(item)
             for s in fresh:
                 engine.reset()
-                t = self._run(engine, messages, _greedy(n, s.speculation()))
+                t = self._run(engine, messages, item.options(s.speculation(), n))
                 times[s.key].append(t)
                 if s.speculate == "off":
                     prompt_s[item.name] = t.ttft_s
@@ -226,11 +227,11 @@ class Measurer:
             if after_prompt:
                 if remeasure or item.name not in prompt_s or not any(s.speculate == "off" for s in fresh):
                     engine.reset()  # the prompt read from an empty cache: this load key's time to first token
-                    t = self._run(engine, messages, _greedy(1, SpeculationOptions()))
+                    t = self._run(engine, messages, item.options(SpeculationOptions(), 1))
                     prompt_s[item.name] = t.ttft_s
                     self._observe(setups[0], item, t)
                 for s in after_prompt:
-                    t = self._run(engine, messages, _greedy(n, s.speculation()))
+                    t = self._run(engine, messages, item.options(s.speculation(), n))
                     times[s.key].append(ItemTime(prompt_s[item.name], t.decode_s, t.generated, t.drafted, t.accepted))
                     self._observe(s, None, t)
         for s in setups:

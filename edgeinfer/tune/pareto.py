@@ -42,6 +42,7 @@ class Row:
     def from_dict(cls, data: object) -> Row:
         if not isinstance(data, dict):
             raise ValueError("a row must be an object")
+        setup, measurement = Setup.from_dict(data.get("setup")), Measurement.from_dict(data.get("measurement"))
         kld, memory, runs = data.get("kld"), data.get("memory"), data.get("runs", 1)
         if kld is not None and (isinstance(kld, bool) or not isinstance(kld, (int, float))):
             raise ValueError(f"bad kld {kld!r}")
@@ -49,7 +50,7 @@ class Row:
             raise ValueError(f"bad memory {memory!r}")
         if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
             raise ValueError(f"bad runs {runs!r}")
-        return cls(Setup.from_dict(data.get("setup")), Measurement.from_dict(data.get("measurement")), runs,
+        return cls(setup, measurement, runs,
                    None if kld is None else float(kld), memory, bool(data.get("chosen")), bool(data.get("on_frontier")))
 
 

@@ -3,8 +3,8 @@
 `svg` writes an SVG document by hand (no plotting library: the library stays small, and matplotlib
 is not a dependency); `text_plot` draws the same in characters for terminals (the TUI's model screen
 cannot show images): a grid of rows of tok/s and columns of KLD where each setup is a character
-by its memory (`.` the smallest third, `o` the middle, `O` the largest), `#` a frontier setup of
-the largest third, `*` the choice, and `|` the quality bound.
+by its memory (`.` up to a third of the largest setup's, `o` up to two thirds, `O` above), `#` a
+frontier setup of the largest third, `*` the choice, and `|` the quality bound.
 """
 
 from __future__ import annotations
@@ -98,8 +98,7 @@ def text_plot(rows: Sequence[Row], *, max_kld: float | None = None, width: int =
         return "nothing measured yet"
     x_hi = max([r.kld or 0.0 for r in pts] + [max_kld or 0.0]) * 1.05 or 0.01
     y_hi = max(r.measurement.tok_s for r in pts) * 1.05 or 1.0
-    mems = sorted(r.memory for r in pts)
-    cut1, cut2 = mems[len(mems) // 3], mems[2 * len(mems) // 3]
+    mem_hi = max(r.memory for r in pts) or 1
     grid = [[" "] * width for _ in range(height)]
     if max_kld is not None and max_kld <= x_hi:
         col = min(width - 1, int(max_kld / x_hi * (width - 1)))
@@ -108,7 +107,7 @@ def text_plot(rows: Sequence[Row], *, max_kld: float | None = None, width: int =
     for r in sorted(pts, key=lambda r: (r.chosen, r.on_frontier)):  # the choice drawn last, on top
         col = min(width - 1, int((r.kld or 0.0) / x_hi * (width - 1)))
         line = min(height - 1, int((1 - r.measurement.tok_s / y_hi) * (height - 1) + 0.5))
-        mark = "." if r.memory < cut1 else ("o" if r.memory < cut2 else "O")
+        mark = "." if r.memory <= mem_hi / 3 else ("o" if r.memory <= 2 * mem_hi / 3 else "O")
         if r.on_frontier and mark == "O":
             mark = "#"
         grid[line][col] = "*" if r.chosen else mark
@@ -119,5 +118,6 @@ def text_plot(rows: Sequence[Row], *, max_kld: float | None = None, width: int =
         out.append(f"{label:>{label_w}} |{''.join(row)}")
     out.append(" " * label_w + " +" + "-" * width)
     out.append(" " * label_w + f"  0{' ' * (width - 12)}KLD {x_hi:.3g}")
-    out.append("tok/s up, KLD across; * the choice, . o O memory by thirds, # a large frontier setup, | max KLD")
+    out.append("tok/s up, KLD across; * the choice; . o O memory (thirds of the largest), # a large frontier "
+               "setup; | max KLD")
     return "\n".join(out)

@@ -61,12 +61,14 @@ class TunedProfile:
     rows: tuple[Row, ...] = ()
     created: str = ""
     notes: tuple[str, ...] = field(default=())
+    serve: dict[str, int] | None = None  # {"parallel", "ctx"} for `serve` (tune --serve), None: not tuned
 
     def to_json(self) -> str:
         data = {"version": _VERSION, "model": self.model, "setup": self.setup.to_dict(), "reference": self.reference,
                 "max_kld": self.max_kld, "memory": self.memory, "workload": self.workload, "machine": self.machine,
                 "build": self.build, "files": self.files, "predicted": self.predicted,
-                "rows": [r.to_dict() for r in self.rows], "created": self.created, "notes": list(self.notes)}
+                "rows": [r.to_dict() for r in self.rows], "created": self.created, "notes": list(self.notes),
+                "serve": self.serve}
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
     @classmethod
@@ -89,11 +91,15 @@ class TunedProfile:
             raise ValueError("field 'memory' must be an integer >= 0")
         if not all(isinstance(v, dict) for v in data["files"].values()):
             raise ValueError("field 'files' must map refs to file identities")
+        serve = data.get("serve")
+        if serve is not None and not (isinstance(serve, dict) and set(serve) == {"parallel", "ctx"} and all(
+                isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 24 for v in serve.values())):
+            raise ValueError("field 'serve' must be null or {\"parallel\": N, \"ctx\": N}")
         return cls(model=data["model"], setup=Setup.from_dict(data.get("setup")), reference=data["reference"],
                    max_kld=float(max_kld), memory=memory, workload=data["workload"], machine=data["machine"],
                    build=data["build"], files=data["files"], predicted=data["predicted"],
                    rows=tuple(Row.from_dict(r) for r in data["rows"]), created=data["created"],
-                   notes=tuple(str(n) for n in data["notes"]))
+                   notes=tuple(str(n) for n in data["notes"]), serve=serve)
 
     def stale(self) -> str | None:
         """Why the profile no longer holds (None: it does): the machine, the build or a file changed."""

@@ -62,6 +62,11 @@ class Quality:
         self.text_sha = hashlib.sha256(default_eval_text().encode("utf-8")).hexdigest()
         self.kld: dict[tuple[str, str, str], float] = {}
 
+    @property
+    def tokens(self) -> int:
+        """Tokens one model reads to measure a KLD."""
+        return self.chunks * self.ctx
+
     def _cache_key(self, m: ModelManifest, k: str, v: str) -> str:
         ident = json.dumps([file_identity(self.reference.path), file_identity(m.path)], sort_keys=True)
         digest = hashlib.sha256(ident.encode()).hexdigest()[:24]

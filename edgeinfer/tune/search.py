@@ -127,7 +127,7 @@ class Search:
 
     def _reserve(self, stage: str, typical: Sequence[Setup]) -> float:
         """Seconds the stages after `stage` should keep: their expected load groups (_RESERVE), each
-        estimated like a group of `typical` setups."""
+        estimated like a group of `typical` setups (the fastest so far: what later stages measure)."""
         return sum(n * self.measurer.estimate(typical, LEVELS[level]) for _name, level, n in _RESERVE.get(stage, ()))
 
     # -- measuring -------------------------------------------------------------------------------
@@ -152,13 +152,17 @@ class Search:
         for a in arms:
             if a.failed is None:
                 groups.setdefault(a.setup.load_key, []).append(a)
-        order = list(groups.values())
+        # the baseline first (every speed-up is against it), then the smaller setups: quicker to measure,
+        # and on a memory-bound machine the likelier to win, should the budget end the stage
+        order = sorted(groups.values(), key=lambda g: (not any(a.setup == self.baseline for a in g),
+                                                       min(a.memory for a in g)))
         total = len(order) * reps
         taken = 0
         for rep in range(reps):
             for i, group in enumerate(order if rep % 2 == 0 else order[::-1]):
                 setups = [a.setup for a in group]
-                need = self.measurer.estimate(setups, level) + self._reserve(self.stage, setups[:1])
+                fastest = max((a for a in self.arms if a.results), key=lambda a: a.tok_s() or 0.0, default=group[0])
+                need = self.measurer.estimate(setups, level) + self._reserve(self.stage, [fastest.setup])
                 if self.taken and self.elapsed() + need > self.budget_s:
                     self.stopped = True
                     self._say(f"{self.stage}: no time left for {group[0].setup.label()}", rep * len(order) + i, total)
@@ -206,7 +210,8 @@ class Search:
         self.stage = "halve"
         self.measure(self._todo(self._promote(0, _ETA), 1), LEVELS[1])
         self.stage = "final"
-        finalists = self._promote(1, _ETA, at_least=2)[:_FINALISTS]
+        measured = max((a.top_level for a in self.arms if a.results and a.top_level is not None), default=0)
+        finalists = self._promote(min(measured, 1), _ETA, at_least=2)[:_FINALISTS]  # from level 0 if 1 had no time
         self.measure([a for a in finalists if len(a.results.get(2, [])) < 2], LEVELS[2], reps=2, remeasure=True)
 
     def _todo(self, arms: Sequence[Arm], level: int) -> list[Arm]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engine.core.options import SPECULATION_METHODS, LoadOptions, SpeculationOptions
-from ..errors import InvalidOptionError
+from ..errors import EdgeInferError, InvalidOptionError
 from ..kv_types import KV_CACHE_TYPES
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def _draft_models(ctx: SpaceContext) -> list[tuple[str, int | None]]:
         try:
             if _vocab_signature(ctx.info(m)) != mine:
                 continue
-        except (OSError, ValueError, Exception):  # noqa: BLE001 - an unreadable file is no candidate
+        except (OSError, EdgeInferError):  # an unreadable file is no candidate
             continue
         best[m.name] = m
     return [(f"draft={m.ref}", None) for m in sorted(best.values(), key=lambda m: m.size)]

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from .pareto import Row, frontier, table_rows
 from .profile import TunedProfile, now_iso, plot_path, save_profile
 from .quality import Quality, choose_reference
 from .search import Arm, Search, SearchEvent
+from .serving import ServeRun, choose_parallel, measure_serving
 from .space import KV_PAIRS, METHODS, Setup, SpaceContext, untuned_setup
 from .workload import Workload, default_workload, load_workload
 
@@ -88,6 +89,8 @@ class TuneResult:
     profile_path: Path | None = None
     plot_path: Path | None = None
     notes: tuple[str, ...] = field(default=())
+    serve_runs: tuple[ServeRun, ...] = ()  # with serve=True: the slot counts measured
+    serve: ServeRun | None = None  # the slot count chosen for `serve` (None: one, or not measured)
 
     @property
     def speedup(self) -> float | None:
@@ -108,7 +111,9 @@ class TuneResult:
                 "elapsed_s": round(self.elapsed_s, 1), "budget_s": self.budget_s,
                 "stopped_by_budget": self.stopped_by_budget, "exhaustive": self.exhaustive, "reused": self.reused,
                 "profile": str(self.profile_path) if self.profile_path else None,
-                "plot": str(self.plot_path) if self.plot_path else None, "notes": list(self.notes)}
+                "plot": str(self.plot_path) if self.plot_path else None, "notes": list(self.notes),
+                "serve_runs": [r.to_dict() for r in self.serve_runs],
+                "serve": self.serve.to_dict() if self.serve else None}
 
 
 def _thread_counts() -> list[int | None]:
@@ -235,6 +240,7 @@ def tune(
     progress: Callable[[TuneProgress], None] | None = None,
     make: bool | Sequence[str] = False,
     exhaustive: bool = False,
+    serve: bool = False,
     methods: Sequence[str] | None = None,
     kv_pairs: Sequence[tuple[str, str]] = KV_PAIRS,
     save: bool = True,
@@ -245,7 +251,8 @@ def tune(
     JSONL file, a Workload, or None: the built-in mix) within `max_kld` (KLD against the model's
     highest-precision rung) and `memory` bytes (None: what this machine has available now), in about
     `budget` seconds; `make` quantizes missing rungs first (True: DEFAULT_MAKE_TYPES, or the types
-    given). `methods` limits the speculation methods tried (default: every registered one),
+    given). `serve` also measures the choice with parallel slots (serving.py) for `serve` to use.
+    `methods` limits the speculation methods tried (default: every registered one),
     `kv_pairs` the (K, V) cache types. `exhaustive` measures every setup on the whole workload,
     whatever the budget. With `save`, the choice becomes the model's tuned profile. `fresh` ignores
     the measurements an earlier tune kept. NoSetupError when nothing meets the bound and budget."""
@@ -292,13 +299,24 @@ def tune(
                            "raise --memory or use a smaller rung")
     for a in arms:
         a.kld = quality.known(a.setup.quality_key)
+    if all(a.kld is not None and a.kld > max_kld for a in arms):  # known already: no need to measure speeds
+        raise NoSetupError(_nothing_meets(target, arms, max_kld, memory))
     journal = _Journal(store, target.name, work, fresh)
     reused = journal.restore(arms)
     baseline = _baseline(arms, target)
     budget_left = budget - (time.monotonic() - started)
 
-    def check_quality(batch: list[Arm]) -> None:
-        quality.measure([a.setup.quality_key for a in batch if a.kld is None])
+    def check_quality(batch: list[Arm], force: bool = False) -> None:
+        """Measure the unknown KLDs of `batch` when that fits in the budget (or `force`)."""
+        keys = list(dict.fromkeys(a.setup.quality_key for a in batch if a.kld is None))
+        if not keys:
+            return
+        cost = measurer.prefill_seconds(reference.ref, quality.tokens) + sum(
+            measurer.prefill_seconds(ref, quality.tokens) for ref, _k, _v in keys)
+        if not (force or exhaustive) and time.monotonic() - started + cost > budget:
+            say("quality", f"no time left to measure the KLD of {len(keys)} setup(s)")
+            return
+        quality.measure(keys)
         for a in arms:
             if a.kld is None:
                 a.kld = quality.known(a.setup.quality_key)
@@ -315,8 +333,9 @@ def tune(
     except KeyboardInterrupt:
         raise TuneInterrupted(journal.count()) from None
     best = search.best()
-    if best is None:
-        check_quality([a for a in arms if a.results])
+    if best is None:  # only setups of unknown KLD were measured: those of the two fastest, past the budget
+        fastest = sorted((a for a in arms if a.results and a.kld is None), key=lambda a: -(a.tok_s(0) or 0.0))
+        check_quality(fastest[:2], force=True)
         best = search.best()
     if best is None:
         raise NoSetupError(_nothing_meets(target, arms, max_kld, memory))
@@ -326,6 +345,13 @@ def tune(
         search.measure([baseline], LEVELS[best.top_level])
     result = _result(target, reference, best, arms, baseline, max_kld, memory, work, started, budget, search,
                      exhaustive, reused, notes)
+    if serve:
+        single = best.summary()
+        assert single is not None
+        runs = measure_serving(store, best.setup, single, work, memory, say=lambda m: say("serve", m),
+                               fits_in=lambda s: exhaustive or time.monotonic() - started + s <= budget)
+        result = replace(result, serve_runs=tuple(runs), serve=choose_parallel(single, runs),
+                         elapsed_s=time.monotonic() - started)
     if save:
         result = _save(store, target, result)
     say("done", f"chose {best.setup.label()}: {result.choice.measurement.tok_s:.1f} tok/s", 1, 1)
@@ -378,8 +404,6 @@ def _result(target: ModelManifest, reference: ModelManifest, best: Arm, arms: li
 
 
 def _save(store: Store, target: ModelManifest, result: TuneResult) -> TuneResult:
-    from dataclasses import replace
-
     from .plot import svg
 
     setup = result.choice.setup
@@ -401,7 +425,8 @@ def _save(store: Store, target: ModelManifest, result: TuneResult) -> TuneResult
         predicted={"tok_s": m.tok_s, "decode_tok_s": m.decode_tok_s, "ttft_s": m.ttft_s,
                    "kld": result.choice.kld or 0.0, "memory": result.choice.memory, "level": m.level,
                    "speedup": result.speedup or 0.0},
-        rows=result.rows, created=now_iso(), notes=result.notes)
+        rows=result.rows, created=now_iso(), notes=result.notes,
+        serve={"parallel": result.serve.parallel, "ctx": result.serve.ctx} if result.serve else None)
     picture = svg(result.rows, title=f"{target.ref}: speed against KLD ({result.workload.name} workload)",
                   max_kld=result.max_kld)
     path = save_profile(store, target, profile, picture)

@@ -1,6 +1,6 @@
 """The work `tune` measures on: prompts in JSONL, one request per line.
 
-    {"name": "code edit", "kind": "code-edit", "max_tokens": 224, "messages": [{"role": "user", "content": "..."}]}
+    {"name": "code edit", "kind": "code-edit", "max_tokens": 160, "messages": [{"role": "user", "content": "..."}]}
     {"prompt": "Summarize: ...", "max_tokens": 64}        # a prompt alone is one user message
 
 Each line is a chat request (`messages` as `Engine.chat` takes them, or `prompt`), answered greedily
@@ -10,12 +10,15 @@ like) up to `max_tokens` (default 128). `name` and `kind` only label tables.
 The built-in workload (`edgeinfer/data/tune_workload.jsonl`, written for edgeinfer and shipped under
 its Apache-2.0 licence; nothing in it is copied from elsewhere) is four requests, one of each kind
 a local model is asked for most:
-- chat: a short explanation in prose (96 tokens);
+- chat: a short explanation in prose (64 tokens);
 - code edit: a 25-line Python function to rewrite with one change and a rename, answered whole
-  (224 tokens: most of the answer copies the prompt, as real edits do);
-- extraction: an order in a customer's message to JSON (128 tokens);
+  (160 tokens: most of the answer copies the prompt, as real edits do);
+- extraction: an order in a customer's message to JSON (96 tokens);
 - long context: a 680-word lab handbook and a question that needs two passages quoted (about
-  1,000 prompt tokens, 96 generated).
+  900 prompt tokens, 64 generated).
+
+384 tokens in all: on the 1.5B on 2 cores the whole workload is about a minute a setup, which is
+what the last stage of a 10-minute search can afford twice for two setups.
 
 A file is bounded before anything runs: at most 1 MiB, 64 requests, 4,096 tokens each; a bad line
 is one error naming its line number.
@@ -30,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..engine.core.options import GenerateOptions, SamplingOptions, SpeculationOptions
 from ..errors import InvalidOptionError
 
 __all__ = ["WorkItem", "Workload", "load_workload", "default_workload", "MAX_ITEMS", "MAX_BYTES", "MAX_TOKENS"]
@@ -47,6 +51,22 @@ class WorkItem:
     kind: str
     messages: tuple[dict[str, str], ...]
     max_tokens: int
+
+    def chat_messages(self, model: str | Path | None) -> list[dict[str, str]]:
+        """The request as `run MODEL` sends it: with the model's default system prompt, when it has
+        one and the request sets none (the default model's, edgeinfer.default_system_prompt)."""
+        from ..default_model import default_system_prompt
+
+        messages = [dict(m) for m in self.messages]
+        system = default_system_prompt(model)
+        if system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+        return messages
+
+    def options(self, speculation: SpeculationOptions, max_tokens: int | None = None) -> GenerateOptions:
+        """Greedy, up to `max_tokens` (default: the request's own)."""
+        return GenerateOptions(max_tokens=max_tokens or self.max_tokens, sampling=SamplingOptions(temperature=0.0),
+                               speculation=speculation).validate()
 
 
 @dataclass(frozen=True)
