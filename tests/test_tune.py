@@ -179,6 +179,10 @@ def test_a_quality_bound_nothing_meets_is_a_clear_error(tuned, workload):
     assert profile.read_bytes() == before  # no silent fallback: the old choice stays as it was
     one_line_error(cli(home, "tune", "--memory", "1M", "--workload", str(workload)), "fits in 0.00 GiB")
     one_line_error(cli(home, "tune", "--plot", "x.png"), "written as SVG")
+    long = home.parent / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 6000, "max_tokens": 4}) + "\n")
+    one_line_error(cli(home, "tune", "--workload", str(long), "--methods", "off", "--kv-types", "f16", "--no-save"),
+                   "a workload request does not fit in smollm2-135m-instruct:q4_1's context")
 
 
 def test_ctrl_c_mid_tune_keeps_the_measurements(tmp_path, workload):

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..engine.core.options import SpeculationOptions
-from ..errors import EdgeInferError
+from ..errors import ContextLengthError, EdgeInferError
 from .space import METHODS, Setup
 from .workload import WorkItem, Workload
 
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SHORT_PROMPT_CHARS = 2000  # a request whose messages are shorter than this counts as short (level 0)
 _CHARS_PER_TOKEN = 4  # English and code in a BPE vocabulary, for estimates only
+_ESTIMATE_MARGIN = 1.25  # a group's estimate is from medians: leave room for the slower half
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,10 @@ def _chars(item: WorkItem) -> int:
     return sum(len(m["content"]) for m in item.messages)
 
 
+class _Stopped(Exception):
+    """The budget ended a request."""
+
+
 class Measurer:
     """Loads each load key once and times its setups (see the module). `stop()` is polled between
     requests: True ends the group early, with what was measured whole."""
@@ -163,7 +168,7 @@ class Measurer:
             prompt = known.get(item.name, per_char * _chars(item))
             fresh = sum(1 for s in setups if s.speculate == "off" or METHODS[s.speculation().method].fresh)
             total += prompt * max(1, fresh) + len(setups) * level.tokens(item) * per_token
-        return total
+        return total * _ESTIMATE_MARGIN
 
     def prefill_seconds(self, ref: str, tokens: int) -> float:
         """Seconds `ref` should take to read `tokens` tokens, from the prompts timed so far (0 before any)."""
@@ -212,6 +217,20 @@ class Measurer:
         after_prompt = [s for s in setups if s not in fresh]
         times: dict[str, list[ItemTime]] = {s.key: [] for s in setups}
         prompt_s = self.prompt_s.setdefault(setups[0].load_key, {})
+        try:
+            self._items(engine, setups, level, model, fresh, after_prompt, times, prompt_s, remeasure)
+        except _Stopped:
+            pass
+        for s in setups:
+            done = times[s.key]
+            if len(done) == len(level.items(self.workload)):
+                on_result(s, Measurement.of(level.index, done), "")
+            elif done:
+                on_result(s, None, "stopped before the end of the workload")
+
+    def _items(self, engine: Engine, setups: list[Setup], level: Level, model: Any, fresh: list[Setup],
+               after_prompt: list[Setup], times: dict[str, list[ItemTime]], prompt_s: dict[str, float],
+               remeasure: bool) -> None:
         for item in level.items(self.workload):
             if self.stop():
                 break
@@ -225,7 +244,7 @@ class Measurer:
                     prompt_s[item.name] = t.ttft_s
                     self._observe(setups[0], item, t)
             if after_prompt:
-                if remeasure or item.name not in prompt_s or not any(s.speculate == "off" for s in fresh):
+                if not any(s.speculate == "off" for s in fresh) and (remeasure or item.name not in prompt_s):
                     engine.reset()  # the prompt read from an empty cache: this load key's time to first token
                     t = self._run(engine, messages, item.options(SpeculationOptions(), 1))
                     prompt_s[item.name] = t.ttft_s
@@ -234,12 +253,6 @@ class Measurer:
                     t = self._run(engine, messages, item.options(s.speculation(), n))
                     times[s.key].append(ItemTime(prompt_s[item.name], t.decode_s, t.generated, t.drafted, t.accepted))
                     self._observe(s, None, t)
-        for s in setups:
-            done = times[s.key]
-            if len(done) == len(level.items(self.workload)):
-                on_result(s, Measurement.of(level.index, done), "")
-            elif done:
-                on_result(s, None, "stopped before the end of the workload")
 
     def _observe(self, setup: Setup, item: WorkItem | None, t: ItemTime) -> None:
         size = self._size(setup.model)
@@ -248,10 +261,19 @@ class Measurer:
         if t.generated > 1 and t.decode_s > 0:
             self.tokens.append((size, t.decode_s / (t.generated - 1)))
 
-    @staticmethod
-    def _run(engine: Engine, messages: list[dict[str, str]], options: GenerateOptions) -> ItemTime:
-        gen = engine.chat(messages, options)
-        done = gen.result()
+    def _run(self, engine: Engine, messages: list[dict[str, str]], options: GenerateOptions) -> ItemTime:
+        """One request; `stop()` is polled at every event (a token, a chunk of a long prompt): when
+        it says so the request is cancelled and the group ends (_Stopped), so the budget holds."""
+        try:
+            gen = engine.chat(messages, options)
+            for _event in gen:
+                if not gen.cancelled and self.stop():
+                    gen.cancel()
+            done = gen.result()
+        except ContextLengthError as e:  # the workload's, not the setup's: no setup can run it
+            raise ContextLengthError(f"a workload request does not fit in {engine.name}'s context: {e}") from None
+        if done.finish_reason == "cancelled":
+            raise _Stopped
         st = done.stats
         spec = st.speculation
         return ItemTime(ttft_s=st.ttft_s, decode_s=st.decode_s, generated=st.generated_tokens,

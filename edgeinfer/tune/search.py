@@ -20,9 +20,10 @@ setups for longer:
 
 A setup's KLD is checked before it is promoted (quality.py measures what is not known yet, for
 the setups being promoted only), and a setup over `max_kld` never is. A load group starts only
-when its estimated time, and what the later stages are expected to need (_RESERVE), fit in what is
-left of the budget; the estimates come from what loads, prompts and tokens took so far
-(Measurer.estimate), so a stage that runs out of time hands what it measured to the next one.
+when its estimated time ends before its stage's share of the budget does (screening up to 40 %,
+combining 55 %, halving 75 %, the final stage the rest); the estimates come from what loads,
+prompts and tokens took so far (Measurer.estimate), so a stage that runs out of time hands what it
+measured to the next one, and a request still running when the budget ends is cancelled.
 With `exhaustive`, every setup is measured at level 2 once, whatever the budget (the benchmark
 the search is checked against).
 """
@@ -45,10 +46,8 @@ log = logging.getLogger(__name__)
 _ETA = 3  # successive halving keeps a third
 _TOP = 2  # best values of each knob combined in stage 2
 _FINALISTS = 2  # setups measured on the whole workload, twice each
-# What later stages are expected to need, in load groups at their level: a stage stops early when
-# starting one more group would leave less than that for them.
-_RESERVE = {"screen": (("halve", 1, 3), ("final", 2, 4)), "combine": (("halve", 1, 3), ("final", 2, 4)),
-            "halve": (("final", 2, 4),), "final": ()}
+# How far into the budget each stage may start a load group (what a stage leaves goes to the next).
+_STAGE_END = {"screen": 0.4, "combine": 0.55, "halve": 0.75, "final": 1.0}
 
 
 @dataclass
@@ -116,21 +115,13 @@ class Search:
         self.baseline = baseline
         self.clock = clock
         self.started = clock()
-        self.spent: dict[int, list[float]] = {}  # level -> seconds per load group measured
         self.stage = ""
         self.stopped = False  # the budget ended a stage early
         self.taken = 0  # measurements taken (the first group always runs, whatever the estimates)
 
-    # -- budget ----------------------------------------------------------------------------------
     def elapsed(self) -> float:
         return self.clock() - self.started
 
-    def _reserve(self, stage: str, typical: Sequence[Setup]) -> float:
-        """Seconds the stages after `stage` should keep: their expected load groups (_RESERVE), each
-        estimated like a group of `typical` setups (the fastest so far: what later stages measure)."""
-        return sum(n * self.measurer.estimate(typical, LEVELS[level]) for _name, level, n in _RESERVE.get(stage, ()))
-
-    # -- measuring -------------------------------------------------------------------------------
     def best(self) -> Arm | None:
         """The fastest arm within the quality bound at the highest level measured (unknown KLD: not yet)."""
         ok = [a for a in self.arms if a.results and a.kld is not None and a.kld <= self.max_kld]
@@ -146,8 +137,9 @@ class Search:
 
     def measure(self, arms: Sequence[Arm], level: Level, reps: int = 1, remeasure: bool = False) -> int:
         """Measure `arms` at `level` (load groups in order; `reps` rounds alternating the order) while
-        the budget lasts: a group starts only when its estimated time and what the later stages need
-        fit in what is left. Returns how many measurements were taken."""
+        the budget lasts: a group starts only when its estimated time ends before this stage's share
+        of the budget does (_STAGE_END; the very first group always starts). Returns how many
+        measurements were taken."""
         groups: dict[tuple, list[Arm]] = {}
         for a in arms:
             if a.failed is None:
@@ -160,10 +152,9 @@ class Search:
         taken = 0
         for rep in range(reps):
             for i, group in enumerate(order if rep % 2 == 0 else order[::-1]):
-                setups = [a.setup for a in group]
-                fastest = max((a for a in self.arms if a.results), key=lambda a: a.tok_s() or 0.0, default=group[0])
-                need = self.measurer.estimate(setups, level) + self._reserve(self.stage, [fastest.setup])
-                if self.taken and self.elapsed() + need > self.budget_s:
+                need = self.measurer.estimate([a.setup for a in group], level)
+                end = self.budget_s * _STAGE_END.get(self.stage, 1.0)
+                if self.elapsed() >= self.budget_s or (self.taken and self.elapsed() + need > end):
                     self.stopped = True
                     self._say(f"{self.stage}: no time left for {group[0].setup.label()}", rep * len(order) + i, total)
                     return taken
@@ -191,7 +182,7 @@ class Search:
             self.journal(arm, m)
             n += 1
 
-        deadline = self.started + self.budget_s + _grace(self.budget_s)
+        deadline = self.started + self.budget_s  # a request still running then is cancelled (Measurer._run)
         self.measurer.stop = lambda: self.clock() > deadline
         self.measurer.measure([a.setup for a in group], level, on_result, remeasure)
         return n
@@ -280,8 +271,3 @@ class Search:
 
 def _knobs(s: Setup) -> tuple[object, ...]:
     return (s.model, (s.kv_type_k, s.kv_type_v), s.flash_attn, s.threads, (s.speculate, s.draft_max))
-
-
-def _grace(budget_s: float) -> float:
-    """How far past the budget a request already started may run before the group stops."""
-    return min(30.0, 0.05 * budget_s) if budget_s != float("inf") else float("inf")

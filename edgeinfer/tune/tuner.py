@@ -368,6 +368,9 @@ def _baseline(arms: list[Arm], target: ModelManifest) -> Arm | None:
 
 def _nothing_meets(target: ModelManifest, arms: list[Arm], max_kld: float, memory: int) -> str:
     known = [a for a in arms if a.kld is not None]
+    if any(a.kld is not None and a.kld <= max_kld for a in arms) and not any(a.results for a in arms):
+        return (f"no setup of {target.name} could be measured whole within the budget (the first took longer): "
+                "raise --budget")
     if not known:
         return f"no setup of {target.name} could be measured within the budget: raise --budget"
     closest = min(known, key=lambda a: a.kld or 0.0)
