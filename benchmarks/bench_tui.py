@@ -116,9 +116,9 @@ def main() -> int:
     from edgeinfer_tui.config import TuiConfig
 
     if args.flush is not None:
-        import edgeinfer_tui.chat_view as chat_view_mod
+        import edgeinfer_tui.reply as reply_mod
 
-        chat_view_mod.FLUSH_S = args.flush
+        reply_mod.FLUSH_S = args.flush
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     model = default_model_file()

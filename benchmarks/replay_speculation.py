@@ -275,7 +275,8 @@ def profile_bound(curve: dict[int, float], profile: list[float], draft_cost: flo
 
 def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str]):
     """name -> a function making the cost model the policy starts from."""
-    from edgeinfer.engine.speculation import CostModel, calibrate_costs
+    from edgeinfer.engine.speculation import CostModel, CurveMeasurement
+    from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES
 
     made = {}
     for name in names:
@@ -283,9 +284,8 @@ def _beliefs(engine, prompt: list[int], curve: dict[int, float], names: list[str
             made[name] = lambda: CostModel(dict(curve))
         elif name == "calibrated":
             engine.reset()
-            seq = engine._scheduler.slots[0].seq
-            seq.decode_all(prompt)
-            seconds = calibrate_costs(seq, prompt[-64:]).to_dict()
+            seq = engine._scheduler.slots[0].seq  # every size after the prompt, the faster of two
+            seconds = CurveMeasurement(CALIBRATION_SIZES, (len(prompt),), 2, tokens=prompt).run(seq).to_dict()
             made[name] = lambda s=seconds: CostModel.from_dict(s)
         elif name == "prior":  # what the engine starts from when `edgeinfer bench` has not measured
             f = engine._runtime.facts

@@ -65,6 +65,7 @@ from .errors import (
 from .gguf_file import GGUFInfo, TensorInfo, read_gguf
 from .kv_types import KV_CACHE_TYPES, KV_TYPE_NAMES, KVCacheType
 from .hub import DiskUsage, DiskUsageRow, DownloadProgress, disk_usage, purge_cache
+from .gguf_import import ImportProgress, ImportResult, import_gguf
 from .pull import PullEvent, PullPlan, PullResult, PullStage, plan, pull, pull_source
 from .store import DEFAULT_MODEL, ModelManifest, Store
 # the package edgeinfer/tune/; its function is edgeinfer.tune (bound after the package is imported)
@@ -151,6 +152,10 @@ __all__ = [
     "PullStage",
     "PullEvent",
     "DownloadProgress",
+    # a GGUF file the user has, into the store
+    "import_gguf",
+    "ImportResult",
+    "ImportProgress",
     "disk_usage",
     "purge_cache",
     "DiskUsage",

@@ -339,8 +339,10 @@ def bench_many(
     from .store import Store
 
     store = kwargs.get("store") or Store()
+    names = []  # as the progress lines name them (None: the default model, by its store name)
     for m in models:
-        store.resolve(m)
+        path, manifest = store.resolve(m)
+        names.append(manifest.ref if manifest is not None else path.name)
     for draft in [kwargs.get("draft")] if kwargs.get("draft") else []:
         store.resolve(draft)
     if on_progress:
@@ -349,6 +351,6 @@ def bench_many(
     out = []
     for i, m in enumerate(models):
         if on_progress:
-            on_progress(BenchProgress(str(m), "prefill+decode", i + 1, len(models)))
+            on_progress(BenchProgress(names[i], "prefill+decode", i + 1, len(models)))
         out.append(bench(m, bandwidth=bw, **kwargs))
     return out

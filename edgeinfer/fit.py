@@ -322,8 +322,10 @@ class Recommendation:
 
 def ladder(name: str, *, store: Store | None = None) -> list[ModelManifest]:
     """Every store model named `name` (all its tags), largest file first."""
+    from .gguf_import import refuse_local_file
     from .store import Store, parse_ref
 
+    refuse_local_file(name, "recommend takes the name of a store model")
     store = store or Store()
     base, _ = parse_ref(name)
     members = [m for m in store.list() if m.name == base and Path(m.file).exists()]

@@ -27,6 +27,7 @@ from .cancel import CancelToken, raise_if_cancelled
 from .errors import ConversionError, DiskSpaceError, EdgeInferError, HubError, InvalidOptionError, OfflineError, StoreError
 from .fit import FitReport, available_memory, fit
 from .gguf_file import read_gguf
+from .gguf_import import refuse_local_file
 from .hub.cache import HubFile, Snapshot, cache_dir, endpoint, snapshot
 from .hub.download import PARTIAL_SUFFIX, DownloadProgress, fetch_all
 from .hub.spec import SOURCE_FILES, check_repo_id, check_revision, is_model_gguf, parse_spec, select_gguf
@@ -313,6 +314,7 @@ def _prepare(
     keep_f16: bool,
     store: Store | None,
 ) -> tuple[Snapshot, PullPlan, QuantProfile | None]:
+    refuse_local_file(spec, "pull takes a Hugging Face repo (owner/name)")
     repo, tag = parse_spec(spec)
     rev = check_revision(revision or "main")
     snap = snapshot(repo, rev, token)

@@ -43,9 +43,10 @@ from .embeddings import handle_embeddings
 from .errors import APIError, from_library_error
 from .protocol import ParsedRequest, finish_reason, parse_chat, parse_completion
 from .reply import OpenAIReply, Reply, ReplyContext, ReplyFactory
-from .routing import acquire, keep_alive_field, model_field, models_body, plan_for, ps_body, stop_model
+from .routing import acquire, keep_alive_field, model_field, models_body, on_disconnect, plan_for, ps_body, stop_model
 from .slots import handle_slots
 from .tools import prepare_chat
+from . import webpage
 
 __all__ = ["create_app", "check_json", "MAX_JSON_DEPTH"]
 
@@ -266,7 +267,7 @@ class _Service:
         started = time.perf_counter()
         admitted = self.admit(plan)
         try:
-            lease = await acquire(self.models, parsed.model, keep_alive)
+            lease = await acquire(self.models, parsed.model, keep_alive, request)
         except BaseException:
             admitted()
             raise
@@ -288,8 +289,9 @@ class _Service:
                 tokens = list(parsed.prompt)
             loop = asyncio.get_running_loop()
             wake = asyncio.Event()
-            gen = engine.submit(tokens, options, logprobs=parsed.logprobs,
-                                notify=lambda: loop.call_soon_threadsafe(wake.set))
+            # (the check compiles a grammar against the vocabulary: in a worker thread, as the parse)
+            gen = await run_in_threadpool(lambda: engine.submit(tokens, options, logprobs=parsed.logprobs,
+                                                                notify=lambda: loop.call_soon_threadsafe(wake.set)))
             if tools is not None:  # content and tool calls parsed out of the text
                 gen = tools.wrap(gen)
         except edgeinfer.EdgeInferError as e:
@@ -314,7 +316,7 @@ class _Service:
                 release()
 
             return _EventStream(self._stream(request, gen, wake, answer), close, answer.media_type)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:  # the lease is held until the response is built (logprobs read the model's vocabulary)
             try:
                 tokens_seen: list[edgeinfer.TokenEvent] = []
@@ -341,7 +343,7 @@ class _Service:
             release()
 
     async def _stream(self, request: Request, gen, wake: asyncio.Event, reply: Reply) -> AsyncIterator[str]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        watcher = asyncio.create_task(on_disconnect(request, gen.cancel))
         try:
             for piece in reply.opening():
                 yield piece
@@ -369,15 +371,16 @@ class _Service:
         body = await self.read_json(request)
         plan = await plan_for(self.models, model_field(body))  # the model's context and speculation
         keep_alive = keep_alive_field(body)
-        return await self.generate(request, parse_chat(body, self.max_tokens_limit(plan), plan.speculation), plan,
-                                   keep_alive)
+        # (a schema or grammar is compiled and checked while parsing: in a worker thread, not on the event loop)
+        parsed = await run_in_threadpool(parse_chat, body, self.max_tokens_limit(plan), plan.speculation)
+        return await self.generate(request, parsed, plan, keep_alive)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
         plan = await plan_for(self.models, model_field(body))
         keep_alive = keep_alive_field(body)
-        return await self.generate(request, parse_completion(body, self.max_tokens_limit(plan), plan.speculation),
-                                   plan, keep_alive)
+        parsed = await run_in_threadpool(parse_completion, body, self.max_tokens_limit(plan), plan.speculation)
+        return await self.generate(request, parsed, plan, keep_alive)
 
     async def models_list(self, request: Request) -> Response:
         return JSONResponse(await run_in_threadpool(models_body, self.models, self.started))
@@ -425,12 +428,6 @@ async def _events(gen, wake: asyncio.Event, keepalive_s: float | None) -> AsyncI
                 yield []
 
 
-async def _cancel_on_disconnect(request: Request, gen) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gen.cancel()
-            return
 
 
 def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfig | None = None) -> Starlette:
@@ -440,7 +437,7 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
     if isinstance(models, edgeinfer.BatchEngine):
         models = ModelService.adopt(models)
     service = _Service(models, config)
-    open_paths = {"/health"}
+    open_paths = {"/health", *webpage.PAGE_PATHS}  # the chat page asks for the key itself
 
     def endpoint(name: str, handler, shape: ErrorShape = OPENAI):
         """A route's handler behind the key check, with its errors in its dialect's shape."""
@@ -451,8 +448,8 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
                 response = await handler(request)
             except APIError as e:
                 response = shape.render(e)
-            except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing went wrong
-                log.debug("%s: the client disconnected before its request body was complete", name)
+            except ClientDisconnect:  # gone while sending its body or waiting for its model: nobody to answer
+                log.debug("%s: the client disconnected before its answer began", name)
                 response = Response(status_code=CLIENT_GONE)
             except Exception:  # the server keeps serving; the client gets a 500 object
                 log.exception("%s failed", name)
@@ -463,6 +460,8 @@ def create_app(models: ModelService | edgeinfer.BatchEngine, config: ServerConfi
         return run
 
     routes = [
+        Route("/", endpoint("page", webpage.index), methods=["GET"]),  # (and HEAD)
+        Route("/web/{name}", endpoint("page", webpage.asset), methods=["GET"]),
         Route("/v1/chat/completions", endpoint("chat_completions", service.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("completions", service.completions), methods=["POST"]),
         Route("/v1/embeddings", endpoint("embeddings", lambda request: handle_embeddings(service, request)),

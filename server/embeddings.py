@@ -33,7 +33,7 @@ from starlette.responses import Response
 import edgeinfer
 
 from .errors import APIError, from_library_error
-from .routing import acquire, keep_alive_field
+from .routing import acquire, keep_alive_field, on_disconnect
 
 __all__ = ["EmbeddingsRequest", "parse_embeddings", "embeddings_body", "handle_embeddings", "run_embeddings",
            "MAX_INPUTS"]
@@ -138,14 +138,6 @@ def embeddings_body(result: Any, model: str, as_base64: bool) -> bytes:
     return json.dumps({"object": "list", "data": data, "model": model, "usage": usage}).encode()
 
 
-async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            cancel.set()
-            return
-
-
 async def handle_embeddings(service: Any, request: Request) -> Response:
     """The route: `service` is the app's (its read_json and its model service, `models`)."""
     body = await service.read_json(request)
@@ -160,11 +152,11 @@ async def run_embeddings(service: Any, request: Request, parsed: EmbeddingsReque
     """The one embeddings path (OpenAI's route and Ollama's): the model leased, the vectors computed
     in a worker thread, `body(result, model name, seconds waiting for the model)` encoded there too."""
     started = time.perf_counter()
-    lease = await acquire(service.models, parsed.model, keep_alive)
+    lease = await acquire(service.models, parsed.model, keep_alive, request)
     load_s = time.perf_counter() - started
     engine = lease.engine
     cancel = threading.Event()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
+    watcher = asyncio.create_task(on_disconnect(request, cancel.set))
     inputs = [x if isinstance(x, str) else list(x) for x in parsed.inputs]
     try:
         result = await run_in_threadpool(lambda: engine.embed(inputs, parsed.options, cancel=cancel))

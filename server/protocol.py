@@ -18,7 +18,7 @@ import edgeinfer
 from .errors import APIError
 from .tools import ToolDeltas, ToolFields, chat_message, parse_constraint, parse_tool_fields, tool_call_json
 
-__all__ = ["ParsedRequest", "parse_chat", "parse_completion", "finish_reason", "usage", "Responder"]
+__all__ = ["ParsedRequest", "parse_chat", "parse_completion", "finish_reason", "usage", "drafted_spans", "Responder"]
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "tool_calls": "tool_calls"}
 _MAX_STOP = 16
@@ -36,6 +36,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: not asked; else how many alternatives
+    include_drafted: bool = False  # stream_options.include_drafted: which text was drafted (our extension)
     messages: tuple[Mapping[str, Any], ...] = ()
     prompt: str | tuple[int, ...] = ""
     tools: ToolFields = ToolFields()
@@ -155,6 +156,11 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int,
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, Mapping):
         raise _bad("'stream_options' must be an object", "stream_options")
+    include_drafted = stream_options.get("include_drafted")
+    if include_drafted is None:
+        include_drafted = False
+    elif not isinstance(include_drafted, bool):
+        raise _bad("'stream_options.include_drafted' must be a boolean", "stream_options")
     try:
         options = edgeinfer.GenerateOptions(
             max_tokens=max_tokens or max_tokens_limit,
@@ -174,6 +180,7 @@ def _common(body: Mapping[str, Any], max_tokens_limit: int,
         "options": options,
         "stream": stream,
         "include_usage": bool(stream_options.get("include_usage", False)),
+        "include_drafted": include_drafted,
     }
 
 
@@ -244,6 +251,23 @@ def parse_completion(body: Any, max_tokens_limit: int,
                          **_common(body, max_tokens_limit, speculation))
 
 
+def drafted_spans(events: Sequence[edgeinfer.TokenEvent]) -> list[list[int]]:
+    """[start, end) offsets, in Unicode code points of the events' joined text, of the text of
+    tokens the drafter proposed and the model accepted (adjacent ones merged), as the chat UI
+    colours them."""
+    spans: list[list[int]] = []
+    pos = 0
+    for e in events:
+        end = pos + len(e.text)
+        if e.drafted and end > pos:
+            if spans and spans[-1][1] == pos:
+                spans[-1][1] = end
+            else:
+                spans.append([pos, end])
+        pos = end
+    return spans
+
+
 def usage(stats: edgeinfer.GenerationStats) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
@@ -264,6 +288,7 @@ class Responder:
         self._token_bytes = token_bytes  # token id -> bytes (for logprobs)
         self._offset = 0  # text offset, for completion logprobs
         self._tool_deltas = ToolDeltas()
+        self._uncounted = [0, 0]  # tokens, and drafted ones, in no chunk yet (their text was still pending)
 
     # -- logprobs --------------------------------------------------------------------------------
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
@@ -344,6 +369,8 @@ class Responder:
 
     def delta_chunk(self, events: list[edgeinfer.TokenEvent]) -> dict[str, Any] | None:
         text = "".join(e.text for e in events)
+        self._uncounted[0] += len(events)
+        self._uncounted[1] += sum(e.drafted for e in events)
         if not text and self.req.logprobs is None:
             return None
         if self.req.kind == "chat":
@@ -351,6 +378,10 @@ class Responder:
                       "finish_reason": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(events), "finish_reason": None}
+        if self.req.include_drafted:
+            tokens, drafted = self._uncounted
+            choice["edgeinfer"] = {"tokens": tokens, "drafted_tokens": drafted, "drafted": drafted_spans(events)}
+        self._uncounted = [0, 0]
         return self._chunk([choice])
 
     def last_chunks(self, done: edgeinfer.DoneEvent) -> list[dict[str, Any]]:

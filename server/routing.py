@@ -14,12 +14,15 @@ slots, idle time and expiry, beside the server process's own resident memory; `P
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
 
 import edgeinfer
 from edgeinfer.service import Lease, ModelNotLoadedError, ModelPlan, ModelService, ModelTooLargeError, NoRoomError, \
@@ -27,8 +30,8 @@ from edgeinfer.service import Lease, ModelNotLoadedError, ModelPlan, ModelServic
 
 from .errors import APIError, from_library_error
 
-__all__ = ["keep_alive_field", "model_field", "plan_for", "acquire", "models_body", "ps_body", "stop_model",
-           "process_memory"]
+__all__ = ["keep_alive_field", "model_field", "plan_for", "acquire", "on_disconnect", "models_body", "ps_body",
+           "stop_model", "process_memory"]
 
 
 def model_field(body: Any) -> str | None:
@@ -59,10 +62,27 @@ async def plan_for(service: ModelService, model: str | None) -> ModelPlan:
         raise from_library_error(e) from None
 
 
-async def acquire(service: ModelService, model: str | None, keep_alive: float | None) -> Lease:
-    """A lease on the named model, loaded first if need be (in a worker thread)."""
+async def on_disconnect(request: Request, then: Callable[[], None]) -> None:
+    """Call `then` once the client of `request` (whose body was read) has disconnected; run it as a
+    task and cancel the task when the answer no longer needs it."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            then()
+            return
+
+
+async def acquire(service: ModelService, model: str | None, keep_alive: float | None,
+                  request: Request | None = None) -> Lease:
+    """A lease on the named model, loaded first if need be (in a worker thread). A client of
+    `request` that disconnects meanwhile cancels its wait — for room, for the model's load — and
+    a load no other request waits for (ClientDisconnect: nobody to answer)."""
+    cancel = threading.Event()
+    watcher = asyncio.create_task(on_disconnect(request, cancel.set)) if request is not None else None
     try:
-        return await run_in_threadpool(lambda: service.acquire(model, keep_alive=keep_alive))
+        return await run_in_threadpool(lambda: service.acquire(model, keep_alive=keep_alive, cancel=cancel))
+    except edgeinfer.Cancelled:
+        raise ClientDisconnect() from None
     except ModelTooLargeError as e:
         raise APIError(400, str(e), code="model_too_large", param="model") from None
     except NoRoomError as e:
@@ -74,6 +94,9 @@ async def acquire(service: ModelService, model: str | None, keep_alive: float | 
     except edgeinfer.EdgeInferError as e:
         raise APIError(500, f"could not load {model or 'the default model'}: {e}", type="server_error",
                        code="model_load_failed") from None
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 def models_body(service: ModelService, created: int) -> dict[str, Any]:

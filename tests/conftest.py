@@ -29,35 +29,20 @@ if _WORKERS > 1:
 # The first load of a never-seen GGUF runs in a child process (edgeinfer.validate, 1-4 s a file):
 # off for the suite's known-good files; the tests of that gate (tests/hostile) turn it on.
 os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
+# Engines and `edgeinfer serve` measure their cost curve while idle, on a fresh store each time (12
+# CPU-seconds on the default model's F16 copy, 74 on the real 1.5B, measured on one thread), for
+# each test server and BatchEngine. Off for the suite: they start from the size prior, as a server's
+# first requests do; the tests of the calibration itself ask for it (calibrate_when_idle=True).
+os.environ.setdefault("EDGEINFER_IDLE_CALIBRATION", "0")
 
-# pytest-xdist gives each worker whole files (--dist loadfile). By default it hands out the files
-# with the most tests first, which leaves the few long end-to-end files for last, and one core
-# idles while the other finishes them. The longest files (measured with --durations, about 10 s or
-# more on 2 cores) go first instead, longest first; the rest follow in collection order
-# (--no-loadscope-reorder in pyproject.toml). A file missing here only runs later.
-_LONGEST_FIRST = (
-    "test_speculation.py", "test_batch_engine.py", "test_sampling.py", "test_real_speculation_draft.py", "test_server.py",
-    "test_quantize.py", "test_cli.py", "test_convert_quantized.py", "test_convert_numeric.py",
-    "test_hub_e2e.py", "test_convert_roundtrip.py", "test_engine.py", "test_real_models.py",
-    "hostile/test_store.py", "test_convert.py", "test_evaluate.py", "test_kv_cache.py",
-    "tui/test_end_to_end.py", "tui/test_manage.py", "hostile/test_gguf_fuzz.py", "tui/test_kv_cache_choice.py",
+# Test files go to the xdist workers longest first, by measured time (tests/durations.json).
+from file_order import (  # noqa: E402,F401  (hooks, found here by pytest)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
 )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = Path(__file__).parent
-    missing = [name for name in _LONGEST_FIRST if not (root / name).is_file()]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py's _LONGEST_FIRST names no such test file: {', '.join(missing)}")
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-
-    def place(item: pytest.Item) -> int:
-        try:
-            return rank.get(item.path.relative_to(root).as_posix(), len(rank))
-        except ValueError:  # a test file outside tests/
-            return len(rank)
-
-    items.sort(key=place)  # stable: each file's tests keep their order
 
 
 # The user's real state must never be touched by a test. Remember what it looks like now, point
@@ -168,6 +153,29 @@ def qwen_pair() -> tuple[Path, Path]:
     from real_models import qwen_pair as fetch
 
     return fetch()
+
+
+@pytest.fixture(scope="session")
+def qwen_engine(qwen_pair):
+    """The real 1.5B, loaded once per worker for the tests that only generate from it (speculation
+    given per request; a draft model prepared by one test changes no other's answers) and read its
+    logits. Flash attention off: the numerics of the RPC split it is compared with."""
+    import edgeinfer
+
+    with edgeinfer.load(qwen_pair[0], n_ctx=2048, flash_attn=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def qwen_server(qwen_pair, tmp_path_factory):
+    """`edgeinfer serve` on the real 1.5B (one slot, 4096 tokens, max_tokens up to 256), started once
+    per worker for the files that ask for it (structured output, tools: they only send requests)."""
+    from test_server import Server
+
+    s = Server(Path(qwen_pair[0]), tmp_path_factory.mktemp("serve-qwen"), "--parallel", "1", "--ctx", "4096",
+               "--max-tokens-limit", "256")
+    yield s
+    assert s.stop() == 0
 
 
 @pytest.fixture(scope="session")

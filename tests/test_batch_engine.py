@@ -20,6 +20,7 @@ from edgeinfer import BatchEngine, BatchOptions, GenerateOptions, SamplingOption
 from edgeinfer.engine.faces.batch import plan_drafts
 from edgeinfer.engine.llama.runtime import LlamaRuntime
 from edgeinfer.engine.core.sequence import KVSequence
+from edgeinfer.engine.speculation.calibration import IDLE_CALIBRATION_ENV
 from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES, CostModel
 from greedy_compare import assert_same_or_near_tie
 
@@ -228,6 +229,17 @@ def test_lookup_speculation_keeps_greedy_output(f16_path, f16_single):
         assert be.metrics().drafted == spec.drafted
 
 
+def test_the_idle_calibration_can_be_turned_off_for_every_engine(monkeypatch):
+    """$EDGEINFER_IDLE_CALIBRATION=0 makes not calibrating the default (`edgeinfer serve` too: it
+    takes BatchOptions' defaults); an explicit calibrate_when_idle wins either way."""
+    monkeypatch.setenv(IDLE_CALIBRATION_ENV, "0")
+    assert BatchOptions().calibrate_when_idle is False
+    assert BatchOptions(calibrate_when_idle=True).calibrate_when_idle is True
+    monkeypatch.delenv(IDLE_CALIBRATION_ENV)
+    assert BatchOptions().calibrate_when_idle is True
+    assert BatchOptions(calibrate_when_idle=False).calibrate_when_idle is False
+
+
 @pytest.mark.slow
 def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monkeypatch):
     """With no curve in the store, an idle engine times decodes up to a full ubatch on a sequence
@@ -244,8 +256,8 @@ def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monk
 
     monkeypatch.setattr(KVSequence, "decode", recorded)
     store = edgeinfer.Store(tmp_path / "home")
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
-                          store=store) as be:
+    calibrating = BatchOptions(parallel=2, calibrate_when_idle=True)  # (the suite turns it off by default)
+    with BatchEngine.load(f16_path, batch=calibrating, n_ctx=2048, flash_attn=False, store=store) as be:
         assert be._calibration is not None and be._calibration.pending()  # white-box: it is to do
         done = be.chat(PROMPTS[2], greedy(4)).result()  # arrives during the calibration
         assert done.stats.queue_s < 0.5, done.stats
@@ -258,8 +270,7 @@ def test_the_cost_curve_is_measured_while_idle_and_kept(f16_path, tmp_path, monk
         assert all(first == (0 if n in CALIBRATION_SIZES else n - 1) for n, first in timed if n in curve), timed
         again = be.chat(PROMPTS[2], greedy(4)).result()
         assert again.tokens == done.tokens  # the calibration emptied an idle slot only: same answer
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=2), n_ctx=2048, flash_attn=False,
-                          store=store) as be:
+    with BatchEngine.load(f16_path, batch=calibrating, n_ctx=2048, flash_attn=False, store=store) as be:
         assert be._calibration is None  # measured before: nothing to do
         assert be.cost_curve() == pytest.approx(curve, rel=1e-6)
 
@@ -292,6 +303,102 @@ def test_a_slow_reader_pauses_only_its_own_request(f16_path):
         assert fast.result().finish_reason in ("eos", "length")
         assert len(slow.poll()) <= 4  # it waited for its reader instead of buffering everything
         assert slow.result().finish_reason in ("eos", "length")
+
+
+@pytest.mark.slow
+def test_metrics_polled_while_eight_streams_run_and_end_never_fail(f16_path):
+    """metrics() polled from another thread while 8 streams run and end one after another, ten
+    times over: no call fails, and the counters add up. A thread switched out between reading a
+    slot's request and using it would meet a request the scheduler has just ended; the test opens
+    that window wide (another thread's read of a busy slot's request takes a millisecond), so a
+    metrics() that read the core's slots mid-step fails within a round or two."""
+    from edgeinfer.engine.core.scheduler import Slot
+
+    poller: list[threading.Thread] = []
+
+    class PreemptedSlot(Slot):
+        @property
+        def request(self):
+            value = self.__dict__["request"]
+            if value is not None and threading.current_thread() in poller:
+                time.sleep(0.001)  # switched out after the read: the scheduler runs meanwhile
+            return value
+
+        @request.setter
+        def request(self, value):
+            self.__dict__["request"] = value
+
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False) as be:
+        for s in be._core.slots:
+            s.__class__ = PreemptedSlot
+        stop = threading.Event()
+        failures: list[BaseException] = []
+        polls = [0]
+
+        def poll() -> None:
+            while not stop.is_set():
+                try:
+                    be.metrics()
+                    polls[0] += 1
+                except BaseException as e:  # noqa: BLE001 - what the test is about
+                    failures.append(e)
+                time.sleep(0.0005)  # (the scheduler takes the engine's lock between steps too)
+
+        poller.append(threading.Thread(target=poll))
+        poller[0].start()
+        try:
+            generated = 0
+            for _ in range(10):  # streams of 2..16 tokens: they end one after another
+                gens = [be.generate(f"Count from {i} to {i + 20}:", greedy(2 + 2 * i)) for i in range(8)]
+                generated += sum(len(g.result().tokens) for g in gens)
+        finally:
+            stop.set()
+            poller[0].join(30)
+        assert not failures, f"{len(failures)} of {polls[0] + len(failures)} metrics() calls failed: {failures[0]!r}"
+        m = be.metrics()
+        assert polls[0] > 80 and sum(m.requests_finished.values()) == m.requests_submitted == 80
+        assert m.generated_tokens == generated and m.active == 0 and not any(s.busy for s in m.slots)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", ["BatchEngine", "Engine"])
+def test_a_grammar_is_compiled_once_per_request_and_never_on_the_scheduler_thread(face, f16_batch, f16_single,
+                                                                                  monkeypatch):
+    """llama.cpp parses a request's grammar against the vocabulary once, in the thread that submits
+    it (the check before it is queued), and the request samples with that compilation: the
+    scheduler thread, which steps every stream, never parses one (a large grammar would stall
+    them all). A JSON schema is compiled to GBNF at most once too (the same schema again: never)."""
+    from edgeinfer.engine.core import sampler as sampler_module
+    from edgeinfer.engine.structured import json_schema as schema_module
+
+    parsed: list[tuple[str, bool]] = []
+    compiled: list[str] = []
+    real_parse, real_compile = sampler_module._new_sampler, schema_module._Compiler.visit
+
+    def parse(grammar, vocab, capture=False):
+        parsed.append((threading.current_thread().name, vocab is not None))
+        return real_parse(grammar, vocab, capture)
+
+    def compile_schema(self, schema, path, depth):
+        if path == "#":
+            compiled.append(threading.current_thread().name)
+        return real_compile(self, schema, path, depth)
+
+    monkeypatch.setattr(sampler_module, "_new_sampler", parse)
+    monkeypatch.setattr(schema_module._Compiler, "visit", compile_schema)
+    engine = f16_batch if face == "BatchEngine" else f16_single
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    me = threading.current_thread().name
+    for constraint in ({"grammar": 'root ::= "The answer is " [0-9]+ "."'}, {"json_schema": schema}):
+        parsed.clear()
+        compiled.clear()
+        opts = GenerateOptions(max_tokens=24, sampling=SamplingOptions(temperature=0.0), **constraint)
+        done = engine.generate("Answer:", opts).result()
+        assert done.finish_reason in ("eos", "stop", "length") and done.tokens
+        assert [p for p in parsed if p[1]] == [(me, True)], parsed  # with the vocabulary: once, here
+        assert compiled in ([], [me]), compiled  # (none: the schema was compiled for an earlier request)
 
 
 @pytest.mark.slow

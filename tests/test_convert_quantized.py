@@ -256,7 +256,8 @@ DOWN = "model.layers.0.mlp.down_proj."
         ("ct-pack", {"sym": False}, lambda d: _edit_tensors(d, lambda t: t.pop(DOWN + "weight_zero_point")),
          "asymmetric, but missing weight_zero_point$"),
         ("ct-pack", {}, lambda d: _edit_config(d, format="marlin-24"),
-         "compressed-tensors format 'marlin-24' is not supported; supported: fp8"),
+         r"^compressed-tensors format 'marlin-24' is not supported; supported: compressed-tensors \(float-quantized, "
+         r"pack-quantized, int-quantized, naive-quantized\)$"),
         ("awq", {}, lambda d: _edit_config(d, quant_method="bitsandbytes"),
          "^quantization method 'bitsandbytes' is not supported; supported: fp8 .*awq.*gptq.*compressed-tensors"),
     ],

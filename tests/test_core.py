@@ -198,6 +198,10 @@ def test_the_rejection_rule_keeps_the_distribution_through_the_batch_path(f16_pa
     sampling = SamplingOptions(temperature=0.7)
     spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3,
                               p_min=0.0)
+    # n = 100: the fewest runs that give this prompt's concentrated first tokens the three cells expected
+    # >= 5 times a chi-square needs (60 give one). At alpha = 1e-3 the test then rejects the first three
+    # tokens drawn at twice the temperature (w = 0.42, 3 df) with power 0.67 only (sequence_chi_square.
+    # chi_square_power): it is for gross errors; 200 runs would reach 0.99.
     n, length = 100, 3
     observed: collections.Counter = collections.Counter()
     drafted = accepted = 0
@@ -238,6 +242,47 @@ def test_an_error_in_one_request_ends_that_request_only(f16_path, plain, monkeyp
         assert be.metrics().requests_finished.get("error") == 1
         again = be.submit(plain[2][0], greedy()).result()  # the engine still serves
         assert again.tokens == plain[2][1]
+
+
+def test_a_draft_model_that_fails_mid_step_turns_off_only_its_requests_speculation(f16_path, default_model_path,
+                                                                                    plain, monkeypatch):
+    """The draft model's decode fails in the middle of a step (llama.cpp gives an error code):
+    the two requests it drafts for go on plain (their drafts are only proposals; the target's
+    cache never saw them) and say why in their stats; the two lookup requests sharing the steps,
+    the engine and later requests are untouched. Greedy outputs are all the lone ones."""
+    drafted_decodes = []
+    decode = LlamaRuntime.decode_batch
+
+    def failing_draft_decode(self, rows):
+        if self.path == default_model_path:  # the draft model (the target is its F16 copy)
+            drafted_decodes.append(len(rows))
+            if len(drafted_decodes) == 12:
+                raise edgeinfer.InvalidModelError("llama_decode failed with code -3")
+        return decode(self, rows)
+
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", failing_draft_decode)
+    draft = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3,
+                               p_min=0.0)
+    lookup = SpeculationOptions(method="lookup", adaptive=False, draft_max=3)
+    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
+                          flash_attn=False, speculation=draft) as be:
+        specs = [draft, lookup, lookup, draft]  # (the draft model's requests answer at length: both run at the failure)
+        gens = [be.submit(p, greedy(spec)) for (p, _), spec in zip(plain[:4], specs)]
+        done = [g.result() for g in gens]
+        assert len(drafted_decodes) >= 12  # (the failure came mid-run, after some steps were drafted)
+        for (prompt, reference), d, spec in zip(plain, done, specs):
+            assert d.tokens == reference
+            sp = d.stats.speculation
+            if spec is draft:
+                assert "speculation off" in sp.note and "code -3" in sp.note and "\n" not in sp.note, sp
+                assert sp.drafted > 0, sp
+            else:
+                assert sp.note == "", sp
+        assert done[1].stats.speculation.drafted > 0  # (lookup drafted the quoted line)
+        assert be.failure is None and "error" not in be.metrics().requests_finished
+        again = be.submit(plain[0][0], greedy(draft)).result()  # the draft model drafts again (it was reset)
+        assert again.tokens == plain[0][1] and again.stats.speculation.drafted > 0
+        assert again.stats.speculation.note == ""
 
 
 def test_a_dead_scheduler_thread_ends_every_reader_with_an_error(f16_path, plain, monkeypatch):

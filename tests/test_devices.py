@@ -13,7 +13,7 @@ from greedy_compare import assert_same_or_near_tie
 import edgeinfer
 from edgeinfer import devices
 from edgeinfer.cli import main
-from edgeinfer.devices import DeviceInfo, PlacementError, plan_placement
+from edgeinfer.devices import DeviceInfo, PlacementError, placement, plan_placement, registry
 from edgeinfer.engine.core.options import LoadOptions
 from edgeinfer.fit import estimate_memory, model_sizes
 
@@ -86,11 +86,11 @@ def test_placement_flags_refuse_bad_values_in_one_line(argv, message, capsys):
 def test_layer_assignment_follows_llama_cpp():
     # llama-model.cpp load_tensors: the first (n_layer + 1 - n_gpu) layers on the host, the rest by
     # upper_bound over the normalised cumulative split; the output layer (index n_layer) is last.
-    owner = devices._assign_layers(30, 21, [1.0, 1.0])
+    owner = placement._assign_layers(30, 21, [1.0, 1.0])
     assert owner.count(-1) == 10 and owner.count(0) == 11 and owner.count(1) == 10 and owner[-1] == 1
-    assert devices._assign_layers(30, 0, [1.0, 1.0]) == [-1] * 31
-    assert devices._assign_layers(30, 99, [0.0, 1.0]) == [1] * 31
-    assert devices._assign_layers(27, 28, [3.0, 1.0]).count(0) == 21
+    assert placement._assign_layers(30, 0, [1.0, 1.0]) == [-1] * 31
+    assert placement._assign_layers(30, 99, [0.0, 1.0]) == [1] * 31
+    assert placement._assign_layers(27, 28, [3.0, 1.0]).count(0) == 21
 
 
 def _devices(*free_mb: float) -> list[DeviceInfo]:
@@ -107,7 +107,7 @@ def test_plan_auto_puts_on_devices_what_fits(default_model_path):
     # 450 MB, 256 MiB of it kept free; the output layer (logits, a copy of the tied embedding) goes first
     small = plan_placement(sizes, _devices(450), host_free=10**10)
     assert 0 < small.n_gpu_layers < 31 and small.fits
-    assert small.devices[0].total + devices._DEVICE_MARGIN <= small.devices[0].memory_free
+    assert small.devices[0].total + placement._DEVICE_MARGIN <= small.devices[0].memory_free
     nothing = plan_placement(sizes, _devices(100), host_free=10**10)
     assert nothing.n_gpu_layers == 0 and nothing.summary() == "CPU"
     # The parts add up to the whole model: every weight is somewhere (a tied output is copied to
@@ -188,7 +188,7 @@ def test_doctor_says_what_this_build_has(capsys):
 
 
 def test_a_build_without_rpc_says_how_to_rebuild(monkeypatch, capsys, default_model_path):
-    monkeypatch.setattr(devices, "has_rpc", lambda: False)
+    monkeypatch.setattr(registry, "has_rpc", lambda: False)
     for argv in (["rpc-worker"], ["run", "--rpc", "127.0.0.1:50052", "-n", "1", "Hi"]):
         assert main(argv) == 1
         err = capsys.readouterr().err.strip()

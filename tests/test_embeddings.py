@@ -426,7 +426,7 @@ def test_cli_embeds_lines_with_every_flag(qwen3_embedding_gguf, f16_default, tmp
     texts.write_text("fine\n")
     assert main(["embed", str(f16_default), "-f", str(texts)]) == 1
     err = capsys.readouterr().err
-    assert "declares no pooling type" in err and err.count("\n") == 1
+    assert "declares no pooling type" in err and "`--pooling mean`" in err and err.count("\n") == 1
     with pytest.raises(SystemExit) as e:
         main(["embed", str(f16_default), "-f", str(texts), "--pooling", "rank"])
     assert e.value.code == 2

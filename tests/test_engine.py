@@ -237,6 +237,39 @@ def test_cancel_inside_a_long_prefill(default_model_path):
         assert engine.generate("Hello", greedy(3)).result().finish_reason in ("length", "eos")
 
 
+def test_a_failing_decode_is_an_error_not_an_abort_whatever_the_abort_flag_says(default_model_path):
+    """llama_decode's own codes decide: a batch it refuses (an invalid token, positions that do not
+    follow on: code -1) is an error even while the abort flag happens to be set (a cancel, an idle
+    calibration interrupted); only its abort code (2, inside `abortable()`) is DecodeAborted. A
+    refused batch leaves nothing in the cache: the next decode at those positions works."""
+    from edgeinfer.engine.core.options import LoadOptions
+    from edgeinfer.engine.llama.runtime import DecodeAborted, DecodeRows, LlamaRuntime
+
+    rt = LlamaRuntime(default_model_path, LoadOptions(n_ctx=256).validate())
+    try:
+        invalid_token, gap = DecodeRows(), DecodeRows()
+        invalid_token.add(rt.facts.n_vocab + 5, 0, 0, True)
+        gap.extend([1, 2], 0, 0, None)
+        gap.add(3, 7, 0, True)  # position 7 after 0, 1
+        rt.abort_flag.set()
+        for rows in (invalid_token, gap):
+            with pytest.raises(edgeinfer.EdgeInferError, match="code -1") as e:
+                rt.decode_batch(rows)
+            assert not isinstance(e.value, DecodeAborted) and "\n" not in str(e.value)
+        rt.abort_flag.clear()
+        fine = DecodeRows()
+        fine.extend([1, 2, 3], 0, 0, 2)
+        rt.decode_batch(fine)
+        long = DecodeRows()
+        long.extend(list(range(10, 200)), 3, 0, None)
+        rt.abort_flag.set()  # an abort asked for: the callback stops the decode (code 2)
+        with rt.abortable(), pytest.raises(DecodeAborted):
+            rt.decode_batch(long)
+    finally:
+        rt.abort_flag.clear()
+        rt.close()
+
+
 def test_close_after_abandoning_a_generation(default_model_path):
     engine = edgeinfer.load(default_model_path, n_ctx=256)
     gen = engine.generate("Once upon a time", greedy(50))

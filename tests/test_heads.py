@@ -62,11 +62,12 @@ def greedy(spec: SpeculationOptions | None = None, n: int = N) -> GenerateOption
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """name -> (f32 GGUF): random Qwen3.5 with MTP (untied, so outputs vary), token-only agreeing /
-    close heads, and one without an MTP layer; each with its HF folder beside it."""
+    close heads, one without an MTP layer, and another random one ("other", a draft model); each
+    with its HF folder beside it."""
     root = tmp_path_factory.mktemp("heads")
     out = {}
     variants = {"random": {}, "agree": {"edit": token_only_mtp("agree")}, "close": {"edit": token_only_mtp("close")},
-                "no-mtp": {"mtp": False}}
+                "no-mtp": {"mtp": False}, "other": {"mtp": False, "seed": 1}}
     for name, kw in variants.items():
         src = make_random_qwen35_model(root / name, tied=False, **kw)
         out[name] = convert_model(src, "f32", root / f"{name}.gguf", register=False).path
@@ -127,6 +128,44 @@ def test_mtp_through_a_batch_engine_at_1_and_4_requests(models, engines):
                 assert_same_or_near_tie(single, prompt, reference, d.tokens)
         m = be.metrics()
         assert m.drafted > 0 and m.rows > m.steps
+
+
+@pytest.mark.parametrize("where", ["after_decode", "accept"])
+def test_a_head_that_raises_mid_step_turns_off_only_its_requests_speculation(models, engines, where, monkeypatch):
+    """Whatever a head raises after a target decode (taking the hidden rows, or following a
+    verification) switches off the speculation of the requests it drafts for, which go on plain
+    with plain's output and say why; a lookup request beside them and the engine go on."""
+    from edgeinfer.engine.speculation.heads import HeadContext
+
+    real = getattr(HeadContext, where)
+    calls = []
+    fail_at = 12 if where == "after_decode" else 5  # (after every request has drafted: prompts take some decodes)
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise SpeculationError(f"the mtp head's cache refused to drop positions (in {where})")
+        return real(self, *args)
+
+    monkeypatch.setattr(HeadContext, where, failing)
+    single = engines("random")
+    plain = [single.generate(p, greedy()).result().tokens for p in PROMPTS[:3]]
+    mtp, lookup = SpeculationOptions(method="mtp", **FIXED), SpeculationOptions(method="lookup", **FIXED)
+    with BatchEngine.load(models["random"], batch=BatchOptions(parallel=3, calibrate_when_idle=False), n_ctx=1024,
+                          speculation="mtp") as be:
+        gens = [be.submit(p, greedy(spec)) for p, spec in zip(PROMPTS, (mtp, mtp, lookup))]
+        done = [g.result() for g in gens]
+        assert len(calls) > fail_at
+        for prompt, reference, d in zip(PROMPTS, plain, done):
+            assert_same_or_near_tie(single, prompt, reference, d.tokens)
+        off = [d for d in done[:2] if "speculation off" in d.stats.speculation.note and where in d.stats.speculation.note]
+        # a head's hand-over fails for every request it drafts for; following a verification, for that one
+        assert len(off) == (2 if where == "after_decode" else 1), [d.stats.speculation for d in done]
+        assert all(d.stats.speculation.drafted > 0 for d in done[:2])
+        assert done[2].stats.speculation.note == ""
+        assert be.failure is None and "error" not in be.metrics().requests_finished
+        again = be.submit(PROMPTS[0], greedy(mtp)).result()  # the head drafts again (reset)
+        assert again.tokens == plain[0] and again.stats.speculation.drafted > 0
 
 
 def test_mtp_head_sees_the_targets_hidden_states_and_drafts_what_numpy_says(models, monkeypatch):
@@ -200,6 +239,9 @@ def test_mtp_rejection_rule_keeps_the_targets_distribution(engines):
     engine = engines("close")
     prompt = PROMPTS[1]
     sampling = SamplingOptions(temperature=0.5)
+    # n = 100: the fewest runs that give three cells expected >= 5 times (60 give fewer); at alpha = 1e-3
+    # the chi-square rejects the first three tokens drawn at twice the temperature (w = 0.57) with
+    # power 0.93 (sequence_chi_square.chi_square_power).
     n, length = 100, 3
     observed, drafted, accepted = sample_sequences(engine, prompt, sampling, SpeculationOptions(method="mtp", **FIXED),
                                                    n, length)
@@ -236,6 +278,57 @@ def test_hybrid_target_rolls_back_within_its_snapshots_and_refuses_beyond(engine
         assert "\n" not in str(e.value)
         seq.drop_suffix(len(seq) - ROLLBACK_DEPTH)  # within the snapshots: fine
         assert len(seq) == 3
+
+
+@pytest.mark.parametrize("draft", ["itself", "other", "self=Q8_0"])
+def test_a_draft_model_on_a_hybrid_target_keeps_greedy_output_on_both_faces(models, draft):
+    """A draft model (the target itself, another random Qwen3.5) or a self-draft on a hybrid target,
+    drafting three tokens every step: greedy output is plain's, on an Engine and on a BatchEngine
+    with two requests. (The draft's cost probe after the first token once removed its probe token
+    with a cut the hybrid memory cannot make: the whole prompt went with it.)"""
+    if draft.startswith("self="):
+        spec = SpeculationOptions(method="self", self_quant=draft.partition("=")[2], **FIXED)
+    else:
+        spec = SpeculationOptions(method="draft", draft_model=str(models["random" if draft == "itself" else draft]),
+                                  **FIXED)
+    with edgeinfer.load(models["random"], n_ctx=1024) as engine:
+        plain = [engine.generate(p, greedy()).result().tokens for p in PROMPTS[:2]]
+        engine.prepare_speculation(spec)
+        for prompt, reference in zip(PROMPTS[:2], plain):
+            fast = engine.generate(prompt, greedy(spec)).result()
+            assert fast.tokens == reference
+            assert fast.stats.speculation.drafted >= N // 2, fast.stats.speculation.to_dict()  # a draft every step
+            accounting(fast.stats.speculation, fast.tokens)
+        with BatchEngine.load(models["random"], batch=BatchOptions(parallel=2, calibrate_when_idle=False), n_ctx=1024,
+                              speculation=spec) as be:
+            for prompt, reference, d in zip(PROMPTS, plain, concurrently(be, PROMPTS[:2], greedy(spec))):
+                assert d.stats.speculation.drafted >= N // 2, d.stats.speculation.to_dict()
+                assert_same_or_near_tie(engine, prompt, reference, d.tokens)
+
+
+def test_the_cost_curve_of_a_hybrid_target_is_timed_at_the_depths_asked(engines, monkeypatch):
+    """measure_decode_costs (edgeinfer bench's curve): every size is timed right after exactly the
+    context depth it is for, also on a hybrid target, whose memory cannot drop what a decode
+    appended (the sequence is filled again; cutting it emptied it, and every later size was timed
+    at depth 0)."""
+    from edgeinfer.engine.core.sequence import KVSequence
+    from edgeinfer.engine.speculation.policy import CALIBRATION_SIZES
+
+    seen: list[tuple[int, int]] = []  # (tokens the sequence held, tokens decoded) of each decode
+    real = KVSequence.decode
+
+    def decode(self, tokens, logits_from=None):
+        seen.append((len(self.cached), len(tokens)))
+        return real(self, tokens, logits_from)
+
+    monkeypatch.setattr(KVSequence, "decode", decode)
+    engine = engines("no-mtp")
+    assert engine._runtime.facts.recurrent
+    costs = engine.measure_decode_costs(list(range(100, 400)), depths=(16, 96), reps=1, save=False)
+    for depth in (16, 96):
+        assert {n for d, n in seen if d == depth} >= set(CALIBRATION_SIZES), (depth, seen)
+    assert costs.t1 > 0 and costs.attention >= 0
+    assert len(engine._scheduler.slots[0].seq) == 0  # cleared after
 
 
 def test_a_batch_engine_without_rollback_says_why_it_does_not_speculate(models):
@@ -351,6 +444,8 @@ def test_eagle3_rejection_rule_keeps_the_targets_distribution(eagle3):
     *_, d, engine = eagle3
     prompt = PROMPTS[2]
     sampling = SamplingOptions(temperature=0.3)  # this target's first tokens spread over six likely sequences
+    # n = 100: at alpha = 1e-3 the chi-square rejects the first three tokens drawn at twice the
+    # temperature (w = 0.91) with power 1.0 (60 runs: 0.86; sequence_chi_square.chi_square_power).
     n, length = 100, 3
     spec = SpeculationOptions(method="eagle3", draft_model=str(d), **FIXED)
     observed, drafted, accepted = sample_sequences(engine, prompt, sampling, spec, n, length)

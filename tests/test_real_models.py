@@ -126,7 +126,7 @@ def test_real_pair_is_a_compatible_qwen_pair(qwen_pair):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_speculation_on_the_real_pair_keeps_plain_output(qwen_pair):
+def test_speculation_on_the_real_pair_keeps_plain_output(qwen_engine):
     """Greedy output of lookup and auto equals plain decoding on a code edit, the real pair's
     workload cut to its first 24 lines (a 199-token prompt: its prefill on one thread is 5 s, the
     whole file's 17 s). The 24 tokens' top-2 margins are at least 4.1 (measured), far from the
@@ -135,25 +135,24 @@ def test_speculation_on_the_real_pair_keeps_plain_output(qwen_pair):
     test_real_speculation_draft.py."""
     import edgeinfer
 
-    target, _ = qwen_pair
     workload = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "code_edit.py"
     code = "".join(workload.read_text().splitlines(keepends=True)[:24])
     assert code.rstrip().endswith("return round(total, 2)")  # the first function, whole
     messages = [{"role": "user", "content": "Here is a Python file:\n\n```python\n" + code + "```\n\nReturn the "
                  "whole file unchanged except that the function compute_total is renamed to total_stock_value."}]
-    with edgeinfer.load(str(target), n_ctx=2048) as engine:
-        prompt = engine.tokenize(engine.render_chat(messages) + "```python\n", add_special=False, parse_special=True)
+    engine = qwen_engine  # the session's (tests/conftest.py): one load of the 1.5B per worker
+    prompt = engine.tokenize(engine.render_chat(messages) + "```python\n", add_special=False, parse_special=True)
 
-        def run(spec: edgeinfer.SpeculationOptions) -> edgeinfer.DoneEvent:
-            # No reset: the prompt's cache is reused (an identical request gives the identical answer).
-            opts = edgeinfer.GenerateOptions(max_tokens=16, sampling=edgeinfer.SamplingOptions(temperature=0.0),
-                                             speculation=spec)
-            return engine.generate(prompt, opts).result()
+    def run(spec: edgeinfer.SpeculationOptions) -> edgeinfer.DoneEvent:
+        # No reset: the prompt's cache is reused (an identical request gives the identical answer).
+        opts = edgeinfer.GenerateOptions(max_tokens=16, sampling=edgeinfer.SamplingOptions(temperature=0.0),
+                                         speculation=spec)
+        return engine.generate(prompt, opts).result()
 
-        plain = run(edgeinfer.SpeculationOptions(method="off")).tokens
-        assert len(plain) == 16
-        for spec in (edgeinfer.SpeculationOptions(method="lookup"), edgeinfer.SpeculationOptions(method="auto")):
-            done = run(spec)
-            assert done.tokens == plain, spec.method
-            # It drafted (the file is copied): the policy did not switch itself off.
-            assert done.stats.speculation.accepted > 0, (spec.method, done.stats.speculation)
+    plain = run(edgeinfer.SpeculationOptions(method="off")).tokens
+    assert len(plain) == 16
+    for spec in (edgeinfer.SpeculationOptions(method="lookup"), edgeinfer.SpeculationOptions(method="auto")):
+        done = run(spec)
+        assert done.tokens == plain, spec.method
+        # It drafted (the file is copied): the policy did not switch itself off.
+        assert done.stats.speculation.accepted > 0, (spec.method, done.stats.speculation)

@@ -14,8 +14,7 @@ from dataclasses import replace
 import pytest
 from test_rejection_sampling import llama_chain_distribution
 
-import edgeinfer
-from edgeinfer.engine.core.options import GenerateOptions, LoadOptions, SamplingOptions, SpeculationOptions
+from edgeinfer.engine.core.options import GenerateOptions, SamplingOptions, SpeculationOptions
 
 
 def test_auto_takes_a_draft_model() -> None:
@@ -24,13 +23,6 @@ def test_auto_takes_a_draft_model() -> None:
     assert (spec.method, spec.draft_model) == ("auto", "some-draft.gguf")
     assert SpeculationOptions.parse("auto").draft_model is None
     assert SpeculationOptions.parse("auto", draft_model="d.gguf").draft_model == "d.gguf"
-
-
-@pytest.fixture(scope="module")
-def qwen_engine(qwen_pair):
-    target, _ = qwen_pair
-    with edgeinfer.load(model=str(target), options=LoadOptions(n_ctx=1024)) as engine:
-        yield engine
 
 
 # A raw completion whose second token (the first digit) is spread over several values: seven

@@ -3,6 +3,7 @@ subprocess of the real CLI, on a free port of 127.0.0.1) on an F16 copy of the d
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -256,7 +257,8 @@ def test_logprobs(server):
 @pytest.mark.slow
 def test_eight_concurrent_clients_match_lone_requests(server):
     """Each of 8 concurrent greedy requests (4 slots: batched and queued) gets the answer it gets
-    alone, except at a near-tie (reported with its margin)."""
+    alone, except at a near-tie (reported with its margin); /metrics, polled all the while,
+    answers every time."""
     client = server.client()
     kw = {"max_tokens": 20, "logprobs": True, "top_logprobs": 2}  # 160 tokens compared
     alone = [chat(client, p, **kw) for p in PROMPTS]
@@ -268,11 +270,24 @@ def test_eight_concurrent_clients_match_lone_requests(server):
         barrier.wait()
         results[i] = chat(server.client(), PROMPTS[i], **kw)
 
+    statuses: list[int] = []
+    done = threading.Event()
+
+    def poll_metrics() -> None:
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                statuses.append(http.get(server.url.removesuffix("/v1") + "/metrics").status_code)
+
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    poller = threading.Thread(target=poll_metrics)
+    poller.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    done.set()
+    poller.join(60)
+    assert statuses and set(statuses) == {200}, collections.Counter(statuses)
     assert sorted(results) == list(range(len(PROMPTS)))
     for i, lone in enumerate(alone):
         a = [e.token for e in lone.choices[0].logprobs.content]

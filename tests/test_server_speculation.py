@@ -56,6 +56,10 @@ def test_the_rejection_rule_through_the_server(draft_server, single):
     from sequence_chi_square import sequence_chi_square
 
     client = draft_server.client()
+    # n = 100: the fewest runs that give this prompt's concentrated first tokens the three cells expected
+    # >= 5 times a chi-square needs (60 give one). At alpha = 1e-3 the test then rejects the first three
+    # tokens drawn at twice the temperature (w = 0.42, 3 df) with power 0.67 only (sequence_chi_square.
+    # chi_square_power): it is for gross errors; 200 runs would reach 0.99.
     n, length = 100, 3
     fixed = {"method": "draft", "adaptive": False, "draft_max": 3, "p_min": 0.0}
     observed: collections.Counter = collections.Counter()

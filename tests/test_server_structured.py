@@ -33,7 +33,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from test_batch_engine import f16_path  # noqa: F401  (the session fixture shared with the engine tests)
@@ -105,12 +104,7 @@ def test_parse_returns_a_nested_pydantic_object(server):
     print("\nthe default model's customer:", c.model_dump_json())
 
 
-@pytest.fixture(scope="module")
-def qwen_server(qwen_pair, tmp_path_factory) -> Iterator[Server]:
-    s = Server(Path(qwen_pair[0]), tmp_path_factory.mktemp("serve-qwen-structured"), "--parallel", "1",
-               "--ctx", "2048", "--max-tokens-limit", "256")
-    yield s
-    assert s.stop() == 0
+# qwen_server: the real 1.5B's server, shared with the other files that use it (tests/conftest.py)
 
 
 @pytest.mark.real
@@ -283,6 +277,57 @@ def test_bad_constraints_are_clear_400s_in_bounded_time_while_the_server_serves(
     ok = client.chat.completions.create(model=MODEL_FILE, messages=[{"role": "user", "content": "Is fire hot?"}],
                                         temperature=0, max_tokens=8, extra_body={"grammar": 'root ::= "yes" | "no"'})
     assert ok.choices[0].message.content in ("yes", "no")
+
+
+def test_the_server_compiles_constraints_off_its_event_loop(f16_path, monkeypatch):  # noqa: F811
+    """Parsing a request's schema or grammar and compiling it against the vocabulary cost time that
+    grows with the constraint: the server does both in worker threads, never on its event loop
+    (which every stream's bytes go through). The app served by uvicorn in this process, spied on."""
+    import asyncio
+
+    import httpx2 as httpx
+    from test_server_slots import LiveApp
+
+    import edgeinfer
+    from edgeinfer.engine.core import sampler as sampler_module
+    from edgeinfer.engine.structured import grammar as grammar_module
+    from edgeinfer.engine.structured import json_schema as schema_module
+    from edgeinfer_server import ServerConfig
+
+    def on_event_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    where: list[tuple[str, bool]] = []
+
+    def spied(name, real):
+        def call(*args, **kw):
+            where.append((name, on_event_loop()))
+            return real(*args, **kw)
+        return call
+
+    monkeypatch.setattr(sampler_module, "_new_sampler", spied("compile", sampler_module._new_sampler))
+    monkeypatch.setattr(grammar_module, "_new_sampler", spied("parse", grammar_module._new_sampler))
+    monkeypatch.setattr(schema_module._Compiler, "visit", spied("schema", schema_module._Compiler.visit))
+    batch = edgeinfer.BatchOptions(parallel=1, calibrate_when_idle=False)
+    with edgeinfer.BatchEngine.load(f16_path, batch=batch, n_ctx=1024) as engine:
+        app = LiveApp(engine, ServerConfig(port=0))
+        try:
+            schema = {"type": "object", "properties": {"hot": {"type": "boolean"}}, "required": ["hot"],
+                      "additionalProperties": False}
+            for extra in ({"grammar": 'root ::= "yes" | "no" | "maybe"'},
+                          {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}):
+                body = {"messages": [{"role": "user", "content": "Is fire hot?"}], "max_tokens": 12, "temperature": 0,
+                        **extra}
+                r = httpx.post(app.url + "/v1/chat/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+        finally:
+            app.stop()
+    assert {name for name, _ in where} == {"compile", "parse", "schema"}, where
+    assert not [w for w in where if w[1]], where
 
 
 def test_a_recursive_pydantic_model_is_a_400_through_parse(server):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -267,12 +266,7 @@ def test_engine_chat_with_tools_yields_tool_call_events(default_engine):
 
 # -- the real Qwen2.5-Coder-1.5B ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def qwen_server(qwen_pair, tmp_path_factory) -> Iterator[Server]:
-    s = Server(Path(qwen_pair[0]), tmp_path_factory.mktemp("serve-qwen-tools"), "--parallel", "1", "--ctx", "4096",
-               "--max-tokens-limit", "256")
-    yield s
-    assert s.stop() == 0
+# qwen_server: the real 1.5B's server, shared with the other files that use it (tests/conftest.py)
 
 
 WEATHER_REPORT = "14 degrees Celsius, light rain, wind 20 km/h"

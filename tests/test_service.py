@@ -71,7 +71,8 @@ class FakeEngine:
 
 
 class Loader:
-    """Loads fakes; `gates[name]` (an Event) holds that model's load open until set."""
+    """Loads fakes; `gates[name]` (an Event) holds that model's load open until set (or until the
+    service cancels it)."""
 
     def __init__(self):
         self.gates: dict[str, threading.Event] = {}
@@ -80,16 +81,32 @@ class Loader:
         self.engines: list[FakeEngine] = []
         self.lock = threading.Lock()
 
-    def __call__(self, plan, progress):
+    def __call__(self, plan, progress, cancel=None):
         with self.lock:
             self.loads.append(plan.name)
             self.started.setdefault(plan.name, threading.Event()).set()
         gate = self.gates.get(plan.name)
         if gate is not None:
-            assert gate.wait(30), "a test gate was never opened"
+            deadline = time.monotonic() + 30
+            while not gate.wait(0.02):
+                if cancel is not None and cancel():
+                    raise edgeinfer.Cancelled(f"loading {plan.name}")
+                assert time.monotonic() < deadline, "a test gate was never opened"
         engine = FakeEngine(plan)
         self.engines.append(engine)
         return engine
+
+
+def _inside(thread: threading.Thread, function: str) -> bool:
+    """Whether `thread` is running `function` (a qualified name) now, somewhere in its stack."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_qualname == function:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
@@ -136,6 +153,48 @@ def test_a_load_never_waits_for_another_models_load(store):
         assert got["a"].engine is got["b"].engine and loader.loads.count(F16) == 1
         for lease in (got["a"], got["b"], other):
             lease.release()
+
+
+def test_a_cancelled_request_stops_waiting_evicts_nothing_and_a_load_nobody_wants_stops(store):
+    """A request cancelled (its client gone) while it waits for another request's load of its
+    model stops waiting at once, and that load goes on for the one still waiting; when that one
+    is cancelled too, the load stops. One cancelled while it waits for room gets Cancelled, not a
+    load or an eviction for nobody."""
+    loader = Loader()
+    loader.gates[F16] = threading.Event()
+    with ModelService(ServiceOptions(max_loaded=1, room_wait_s=30), store=store, loader=loader) as service:
+        first, second = threading.Event(), threading.Event()
+        got: dict[str, BaseException] = {}
+
+        def acquire(key: str, cancel: threading.Event) -> None:
+            try:
+                service.acquire(F16, cancel=cancel)
+            except BaseException as e:  # noqa: BLE001 - what each gets
+                got[key] = e
+
+        loading = threading.Thread(target=acquire, args=("first", first))
+        loading.start()
+        assert loader.started.setdefault(F16, threading.Event()).wait(10)
+        waiting = threading.Thread(target=acquire, args=("second", second))
+        waiting.start()
+        wait_until(lambda: held(service) == {F16: "loading"} and "second" not in got, what="the second request to wait")
+        second.set()
+        waiting.join(5)
+        assert isinstance(got["second"], edgeinfer.Cancelled) and held(service) == {F16: "loading"}
+        first.set()
+        loading.join(5)
+        assert isinstance(got["first"], edgeinfer.Cancelled) and held(service) == {} and loader.loads == [F16]
+        with service.acquire(DEFAULT):  # busy: Q8_0 must wait for room (one model at a time)
+            gone = threading.Event()
+            room: dict[str, BaseException] = {}
+            waiter = threading.Thread(target=lambda: room.setdefault("e", pytest.raises(
+                edgeinfer.Cancelled, service.acquire, Q8, cancel=gone).value))
+            waiter.start()
+            wait_until(lambda: _inside(waiter, "Registry.wait"), what="the request to wait for room")
+            gone.set()
+            waiter.join(5)
+            assert "cancelled" in str(room["e"])
+            assert held(service) == {DEFAULT: "ready"} and service.evictions == 0 and loader.loads == [F16, DEFAULT]
 
 
 def test_only_idle_models_are_evicted_least_recently_used_first(store):
@@ -231,6 +290,27 @@ def test_stop_unloads_at_once_and_refuses_what_is_not_loaded(store):
             service.stop(F16)
         with pytest.raises(edgeinfer.ModelNotFoundError):
             service.stop("no-such-model:q4")
+
+
+def test_a_lease_dropped_without_release_is_reported_and_keeps_its_model():
+    """Releasing a lease is explicit (release() or `with`): one the program drops is a
+    ResourceWarning when it is collected, and the collector does not release it — the model stays
+    leased (busy: never evicted, no keep-alive countdown) until it is stopped."""
+    import gc
+    import warnings
+
+    loader = Loader()
+    with ModelService(ServiceOptions(keep_alive=0), store=Store(), loader=loader) as service:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            service.acquire(DEFAULT)  # the lease is dropped at once
+            gc.collect()
+        said = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert len(said) == 1 and f"lease on {DEFAULT} was never released" in said[0], said
+        (status,) = service.ps()
+        assert status.state == "ready" and status.requests == 1 and status.expires_in_s is None
+        assert not loader.engines[0].closed
+        assert service.stop(DEFAULT).cancelled == 1 and loader.engines[0].closed
 
 
 def test_names_requests_may_use_and_paths_they_may_not(store, tmp_path, f16_path):  # noqa: F811
@@ -369,6 +449,7 @@ def test_a_model_whose_engine_died_is_loaded_again(store, monkeypatch):
 PROMPT = "The capital of France is"
 COUNT = "1, 2, 3, 4, 5, 6,"
 BIG = "big"  # an alias of a hard link of the F16 file with a context that cannot fit the budget
+SLOW = "slow"  # an alias of another such link, whose load first quantizes its self-draft (seconds)
 SERVER_FLAGS = {"parallel": 2, "ctx": 1024, "threads": 1}  # the default model's flags
 SERVE_TOML = f"""
 [defaults]
@@ -411,14 +492,16 @@ def served(f16_path, q8_path, tmp_path_factory):  # noqa: F811
     home = tmp_path_factory.mktemp("service-home")
     store = Store(home)
     register_copies(store, f16_path, q8_path)
-    big = home / "big-f16.gguf"
-    try:
-        os.link(f16_path, big)  # another file for the service (another path), no more disk
-    except OSError:
-        import shutil
+    big, slow = home / "big-f16.gguf", home / "slow-f16.gguf"
+    for link in (big, slow):
+        try:
+            os.link(f16_path, link)  # another file for the service (another path), no more disk
+        except OSError:
+            import shutil
 
-        shutil.copyfile(f16_path, big)
-    (home / "serve.toml").write_text(SERVE_TOML + f'\n[models."{big}"]\nctx = 8192\nkv_type = "f32"\nalias = ["{BIG}"]\n')
+            shutil.copyfile(f16_path, link)
+    (home / "serve.toml").write_text(SERVE_TOML + f'\n[models."{big}"]\nctx = 8192\nkv_type = "f32"\nalias = ["{BIG}"]\n'
+                                     f'\n[models."{slow}"]\nspeculate = "self=Q4_K_M"\nalias = ["{SLOW}"]\n')
     key_file = home / "key"
     key_file.write_text(KEY + "\n")
     # The budget: the two largest of the three fit together, the big one alone does not.
@@ -447,7 +530,7 @@ def served(f16_path, q8_path, tmp_path_factory):  # noqa: F811
     server = ServeProcess(home, *(f"--{k}={v}" for k, v in SERVER_FLAGS.items()), "--max-loaded", "2",
                           "--max-memory", str(budget), "--keep-alive", "10m", "--preload", "eight",
                           "--api-key-file", str(key_file), "--grace", "1")
-    server.home, server.budget, server.plans, server.answers, server.big = home, budget, plans, answers, big
+    server.home, server.budget, server.plans, server.answers, server.big, server.slow = home, budget, plans, answers, big, slow
     yield server
     assert server.stop() == 0, "".join(server.log)
     assert "Traceback" not in "".join(server.log), "".join(server.log)
@@ -678,6 +761,36 @@ def test_stop_cancels_a_running_stream_and_the_model_loads_again(served, capsys)
     assert Q8 not in served.held()
     assert main(["stop", Q8, "--url", served.base, "--api-key", KEY]) == 1
     assert "is not loaded" in capsys.readouterr().err
+    assert matches(complete(served, Q8), served.answers[Q8])
+
+
+@pytest.mark.slow
+def test_a_client_gone_while_its_model_loads_cancels_the_load(served):
+    """A client asks for a model whose load first makes its self-draft (seconds of quantizing) and
+    disconnects while it loads: the load is cancelled (the quantizer's child stopped), and nothing
+    of it stays — no engine held, no self-draft in the store; the server goes on serving."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(served.base)
+    body = json.dumps({"model": SLOW, "prompt": PROMPT, "max_tokens": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    def loads() -> int:
+        text = httpx.get(served.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+        return int(next(line for line in text.splitlines() if line.startswith("edgeinfer_model_loads_total ")).split()[1])
+
+    said, loaded = len(served.log), loads()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as client:
+        client.sendall(head + body)
+        wait_until(lambda: any("self-draft" in line for line in served.log[said:]), timeout=120,
+                   what="the self-draft's quantization to start")
+        assert served.held().get(served.slow.name) == "loading"
+    # the client is gone
+    wait_until(lambda: served.slow.name not in served.held(), timeout=60, what="the load to be abandoned")
+    assert loads() == loaded  # it never finished loading
+    assert any("POST /v1/completions 499" in line for line in served.log[said:])  # nobody was answered
+    assert not [m for m in Store(served.home).list() if (m.quant or "").upper() == "Q4_K_M"]
     assert matches(complete(served, Q8), served.answers[Q8])
 
 

@@ -223,6 +223,10 @@ def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
     prompt = f16_engine.chat_tokens([{"role": "user", "content": "Name a colour."}])
     sampling = SamplingOptions(temperature=0.7)
     spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=3, p_min=0.0)
+    # n = 100: the fewest runs that give this prompt's concentrated first tokens the three cells expected
+    # >= 5 times a chi-square needs (60 give one). At alpha = 1e-3 the test then rejects the first three
+    # tokens drawn at twice the temperature (w = 0.42, 3 df) with power 0.67 only (sequence_chi_square.
+    # chi_square_power): it is for gross errors; 200 runs would reach 0.99.
     n, length = 100, 3
 
     observed: collections.Counter = collections.Counter()

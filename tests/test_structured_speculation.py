@@ -7,7 +7,7 @@
   The prompts are JSON-extraction prompts (a record in the prompt, a schema to fill from it), where
   lookup finds drafts; every method must actually have drafted and had drafts accepted.
 - The rejection rule under a grammar: a draft model *sampling* its drafts (T = 0.8) through a
-  grammar whose first tokens are spread; the first three tokens of 200 seeded requests (four at a
+  grammar whose first tokens are spread; the first three tokens of 100 seeded requests (four at a
   time in a BatchEngine) fit, by chi-square, the grammar-constrained distribution of the target's
   own sampling. The expected side is independent of edgeinfer's sampler: llama.cpp's own grammar
   sampler (`llama_sampler_init_grammar`, fed the prefix with `llama_sampler_accept`) applied to the
@@ -211,27 +211,18 @@ def constrained_chi_square(engine, chain: GrammarChain, prompt: list[int], obser
                            length: int):
     """Chi-square of the observed first `length` tokens against the exact constrained probabilities
     (walking the tree of prefixes; sequences expected fewer than 5 times pooled)."""
-    from scipy import stats
+    from sequence_chi_square import chi_square_of, expected_sequences
 
-    expected: dict[tuple[int, ...], float] = {}
-    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    while frontier:
-        prefix, p = frontier.pop()
-        row = engine.logits(prompt + list(prefix), start=len(prompt) + len(prefix) - 1)[-1]
-        for token, q in chain.distribution(row, prefix).items():
-            if p * q * n < 5:
-                continue
-            if len(prefix) + 1 == length:
-                expected[(*prefix, token)] = p * q
-            else:
-                frontier.append(((*prefix, token), p * q))
-    keys = sorted(expected)
-    assert len(keys) >= 3, f"the grammar's first tokens are not spread enough: {expected}"
-    obs = [observed[k] for k in keys] + [n - sum(observed[k] for k in keys)]
-    exp = [expected[k] * n for k in keys] + [n * (1 - sum(expected.values()))]
-    if exp[-1] < 1e-9:
-        obs, exp = obs[:-1], exp[:-1]
-    return stats.chisquare(obs, exp), list(zip(keys, obs, exp))
+    return chi_square_of(expected_sequences(engine, prompt, chain.distribution, n, length), observed, n)
+
+
+# The sample: enough seeded requests that the chi-square, at α = 1e-3, rejects the first three tokens
+# drawn at twice the temperature (1.6 for 0.8: a rule that lost the request's temperature under the
+# grammar; effect size w = 0.69 on this prompt, 4 degrees of freedom) with power 0.998 (80 requests:
+# 0.97; the 200 it once took: 1.0). test_the_reference_has_the_power_to_see_a_wrong_distribution
+# computes that power and draws such a sample.
+REQUESTS = 100
+COLOURS_SAMPLING = SamplingOptions(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02)
 
 
 def test_the_rejection_rule_keeps_the_constrained_distribution(f16_path, default_model_copy, single):  # noqa: F811
@@ -241,10 +232,10 @@ def test_the_rejection_rule_keeps_the_constrained_distribution(f16_path, default
     is a Q2_K copy of the model: its q differs enough from p to be rejected about a quarter of the
     time here (the Q4_1 file drafting for its F16 copy is kept ~100 %: the rule would hardly run)."""
     prompt = single.chat_tokens([{"role": "user", "content": "Name three colours, separated by commas."}])
-    sampling = SamplingOptions(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02)
+    sampling = COLOURS_SAMPLING
     spec = SpeculationOptions(method="draft", draft_model=str(default_model_copy("Q2_K")), adaptive=False,
                               draft_max=3, p_min=0.0)
-    n, length = 200, 3
+    n, length = REQUESTS, 3
     observed: collections.Counter = collections.Counter()
     drafted = accepted = 0
     with BatchEngine.load(f16_path, batch=BatchOptions(parallel=4, calibrate_when_idle=False), n_ctx=4096,
@@ -272,32 +263,36 @@ def test_the_rejection_rule_keeps_the_constrained_distribution(f16_path, default
 
 
 def test_the_reference_has_the_power_to_see_a_wrong_distribution(f16_path, single):  # noqa: F811
-    """The chi-square above can fail: 200 sequences drawn from the constrained chain at another
+    """The chi-square above can fail: sequences drawn from the constrained chain at another
     temperature (1.6 for 0.8: what a rule that lost the temperature under a grammar would give) are
-    rejected by it."""
+    rejected by it with power at least 0.99 over REQUESTS runs (the noncentral chi-square), and one
+    such sample of that size is rejected."""
+    from sequence_chi_square import chi_square_of, chi_square_power, expected_sequences, memoized
+
     prompt = single.chat_tokens([{"role": "user", "content": "Name three colours, separated by commas."}])
-    sampling = SamplingOptions(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02)
+    sampling = COLOURS_SAMPLING
     wrong = GrammarChain(f16_path, COLOUR_GBNF, replace(sampling, temperature=1.6))
-    dists: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = {}
     rng = np.random.default_rng(5)
-    n, length = 200, 3
+    n, length = REQUESTS, 3
     observed: collections.Counter = collections.Counter()
+    chain = GrammarChain(f16_path, COLOUR_GBNF, sampling)
     try:
+        right_d, wrong_d = memoized(chain.distribution), memoized(wrong.distribution)
+        power, w = chi_square_power(single, prompt, right_d, wrong_d, n, length)
+        print(f"\npower {power:.4f} over {n} requests against twice the temperature (w = {w:.2f})")
+        assert power >= 0.99, (power, w)
+        dists: dict[tuple[int, ...], tuple[list[int], np.ndarray]] = {}
         for _ in range(n):
             prefix: tuple[int, ...] = ()
             for _ in range(length):
                 if prefix not in dists:
-                    d = wrong.distribution(single.logits(prompt + list(prefix), start=len(prompt) + len(prefix) - 1)[-1],
-                                           prefix)
+                    d = wrong_d(single.logits(prompt + list(prefix), start=len(prompt) + len(prefix) - 1)[-1], prefix)
                     dists[prefix] = (list(d), np.array(list(d.values())))
                 ids, probs = dists[prefix]
                 prefix = (*prefix, ids[int(rng.choice(len(ids), p=probs))])
             observed[prefix] += 1
+        result, table = chi_square_of(expected_sequences(single, prompt, right_d, n, length), observed, n)
     finally:
         wrong.close()
-    chain = GrammarChain(f16_path, COLOUR_GBNF, sampling)
-    try:
-        result, table = constrained_chi_square(single, chain, prompt, observed, n, length)
-    finally:
         chain.close()
     assert result.pvalue < 1e-3, (result, table)

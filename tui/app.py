@@ -1,8 +1,9 @@
 """EdgeInferApp: opens the chat history, loads models, shows the chat screen and help.
 
 The chat screen (chat_screen.py) holds the chats and the open ChatView (chat_view.py), which owns
-the reply being generated; the dialogs live in modals/, the manage screen in manage.py. The app
-keeps what they share: the chat store, the one loaded model (ModelHost) and the key map.
+the reply being generated (reply.py: its buffer and pacing); the dialogs live in modals/, the
+manage screen in manage.py. The app keeps what they share: the chat store, the one loaded model
+(ModelHost) and the key map.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ class ModelReady(TMessage):
     """The model `wanted` loaded as `ref` (error: it did not); speculation_error: its speculation
     could not be prepared."""
 
-    def __init__(self, wanted: ModelKey, ref: str | None, error: str | None = None, speculation_error: str | None = None):
+    def __init__(self, wanted: ModelKey, ref: str | None, error: str | None = None, speculation_error: str | None = None,
+                 note: str | None = None):
         super().__init__()
         self.wanted, self.ref, self.error, self.speculation_error = wanted, ref, error, speculation_error
+        self.note = note  # something the user should know about the model (a base model without a chat template)
 
 
 class ModelPreparing(TMessage):
@@ -146,7 +149,11 @@ class EdgeInferApp(App[None]):
                 if worker.is_cancelled:
                     return
                 speculation_error = one_line(e)
-        self.post_message(ModelReady(wanted, loaded.ref, speculation_error=speculation_error))
+        note = None
+        if not getattr(loaded.engine, "has_chat_template", True):
+            note = (f"{loaded.ref} has no chat template (a base model?): replies are rendered with ChatML, which it "
+                    "never learned; `edgeinfer run` completes its text raw")
+        self.post_message(ModelReady(wanted, loaded.ref, speculation_error=speculation_error, note=note))
 
     def on_model_preparing(self, message: ModelPreparing) -> None:
         self.chat_view.show_preparing(message.ref, message.progress)
@@ -158,6 +165,8 @@ class EdgeInferApp(App[None]):
             return
         if message.speculation_error:
             self.notify(message.speculation_error, title="Speculation", severity="warning", timeout=10)
+        if message.note:
+            self.notify(message.note, title="Model", severity="warning", timeout=12)
         self.chat_view.show_model_state(message.ref, kv_types=message.wanted.kv_types)
 
     # -- screens ---------------------------------------------------------------------------------

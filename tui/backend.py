@@ -37,9 +37,9 @@ __all__ = [
     "one_line",
 ]
 
-TASK_KINDS: tuple[str, ...] = ("pull", "convert", "quantize", "evaluate")
+TASK_KINDS: tuple[str, ...] = ("pull", "import", "convert", "quantize", "evaluate")
 # Tasks whose library call takes a cancel token (the others run to the end once started).
-CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "convert", "quantize"})
+CANCELLABLE_TASKS: frozenset[str] = frozenset({"pull", "import", "convert", "quantize"})
 
 
 def one_line(e: BaseException) -> str:
@@ -171,6 +171,8 @@ def progress_from_event(ev: object, default_key: str = "task") -> TaskProgress:
         case EvalProgress():
             label = f"{ev.model} chunk {ev.chunk}/{ev.n_chunks}"
             return TaskProgress(key=f"{default_key}-{ev.model}", label=label, done=ev.chunk, total=ev.n_chunks)
+        case edgeinfer.ImportProgress(done=done, total=total):
+            return TaskProgress(key=default_key, label="copying", done=float(done), total=float(total) or None)
         case PullPlan():
             msg = f"{ev.repo} @ {ev.commit[:10]}: {ev.kind} {ev.quant}, {ev.total_bytes / 1e6:.1f} MB to fetch"
             return TaskProgress(key=default_key, label="", done=0, total=None, message=msg)
@@ -267,6 +269,8 @@ class LibraryBackend:
         source = args["source"]
         if kind == "pull":
             ref = pull(source, on_progress=progress, cancel=cancel).manifest.ref
+        elif kind == "import":  # a GGUF file on this machine, copied into the store
+            ref = edgeinfer.import_gguf(source, args.get("name") or None, on_progress=progress, cancel=cancel).manifest.ref
         elif kind == "convert":
             manifest = convert_model(source, args.get("outtype") or None, on_progress=progress, cancel=cancel).manifest
             ref = manifest.ref if manifest is not None else None

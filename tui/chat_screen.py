@@ -74,6 +74,7 @@ class ChatScreen(Screen):
         self.chat_view = ChatView(
             store, models, config, default_model=initial_model or models.backend.default_ref(), id="chat-pane"
         )
+        self.previous_chat_id: int | None = None  # the chat open before this one (Ctrl+B goes back)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Under a dialog this screen's keys do nothing, so its footer does not offer them. Esc
@@ -111,10 +112,17 @@ class ChatScreen(Screen):
         chats = self.store.list_chats()
         for c in chats:
             self.chat_list.append(ChatListItem(c.id, c.title))
-        if chats:
+        if chats and self.initial_model and self.store.messages(chats[0].id):
+            # `edgeinfer chat MODEL`: a new chat for that model (the last chat's history was
+            # written with another model in mind); the last chat stays one key away
+            self.previous_chat_id = chats[0].id
+            self.new_chat(model=self.initial_model)
+            self.notify(f"A new chat with {self.initial_model}; {self.config.key_for('last_chat')} goes back to "
+                        f"your last chat, {chats[0].title!r}.", timeout=8)
+        elif chats:
             self.open_chat(chats[0].id)
             if self.initial_model and view.model_ref != self.initial_model:
-                view.update_chat(model=self.initial_model)  # the model asked for on the command line wins
+                view.update_chat(model=self.initial_model)  # an empty last chat takes the model asked for
         else:
             self.new_chat()
         if self.initial_kv_types is not None and view.settings.kv_types != self.initial_kv_types:
@@ -144,11 +152,12 @@ class ChatScreen(Screen):
         self.app.sub_title = f"{model} · speculation: {view.settings.speculation.describe()}"
 
     # -- chats -----------------------------------------------------------------------------------
-    def new_chat(self) -> None:
-        """A new chat, with the open chat's model and the default settings: settings saved for a
-        chat stay with it (the KV-cache types `edgeinfer chat` asked for apply to new chats too)."""
+    def new_chat(self, model: str | None = None) -> None:
+        """A new chat, with `model` (default: the open chat's) and the default settings: settings
+        saved for a chat stay with it (the KV-cache types `edgeinfer chat` asked for apply to new
+        chats too)."""
         view = self.chat_view
-        model = self.initial_model if view.chat is None else view.model_ref
+        model = model or (self.initial_model if view.chat is None else view.model_ref)
         before = view.settings.kv_types if view.chat is not None else None
         settings = ChatSettings()
         if self.initial_kv_types is not None:
@@ -162,6 +171,9 @@ class ChatScreen(Screen):
             self._want_model()
 
     def open_chat(self, chat_id: int) -> None:
+        shown = self.chat_view.chat
+        if shown is not None and shown.id != chat_id:
+            self.previous_chat_id = shown.id
         self.chat_view.show_chat(self.store.get_chat(chat_id))
         lst = self.chat_list
         for i, item in enumerate(lst.children):
@@ -193,6 +205,15 @@ class ChatScreen(Screen):
     # -- actions on chats ------------------------------------------------------------------------
     def action_new_chat(self) -> None:
         self.new_chat()
+        self.chat_view.chat_input.focus()
+
+    def action_last_chat(self) -> None:
+        """Back to the chat open before this one (again: forth)."""
+        ids = {c.id for c in self.store.list_chats()}
+        if self.previous_chat_id not in ids:
+            self.notify("No other chat was open before this one.", severity="warning")
+            return
+        self.open_chat(self.previous_chat_id)  # (as a chat picked in the sidebar)
         self.chat_view.chat_input.focus()
 
     def action_rename_chat(self) -> None:

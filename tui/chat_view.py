@@ -1,10 +1,8 @@
 """ChatView: one open chat — its messages, the stats line and the input — and the reply being made.
 
-The view owns the reply: its thread worker runs the generation and appends tokens to the reply's
-buffer, posting one TokensReady message when the buffer was idle; the view drains the buffer in
-batches, at most every FLUSH_S and stretched so that rendering stays within UI_CPU_BUDGET of a core.
-The UI never waits on generation and generation never waits on the UI. SQLite and widgets are
-touched from the UI thread only.
+The view owns the reply: its thread worker runs the generation and fills the reply's buffer, which
+the view drains (tui/reply.py: the buffer, its pacing, the worker's messages). SQLite and widgets
+are touched from the UI thread only.
 
 A cancelled reply is kept exactly as the screen shows it (its text, marked CANCELLED_NOTE), and the
 next request sends it as part of the history; a reply cancelled before its first token shows
@@ -13,9 +11,7 @@ nothing and is dropped, so the history never holds a turn the screen does not sh
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from textual import on, work
@@ -26,8 +22,8 @@ from textual.message import Message as TMessage
 from textual.widgets import Static
 
 import edgeinfer
-from edgeinfer import (DEFAULT_LOAD, DoneEvent, GenerateOptions, Generation, PrefillProgress, SpeculationProgress,
-                       TokenEvent, ToolCallEvent)
+from edgeinfer import (DEFAULT_LOAD, DoneEvent, GenerateOptions, PrefillProgress, SpeculationProgress, TokenEvent,
+                       ToolCallEvent)
 
 from .backend import one_line
 from .chat_store import Chat, ChatStore
@@ -35,19 +31,14 @@ from .chat_tools import ChatTools, reply_turn
 from .config import TuiConfig
 from .live_stats import LiveStats, preparing_line
 from .model_host import ModelHost, ModelKey
+from .reply import (ActiveReply, GenerationFailed, GenerationFinished, PrefillShown, SpeculationPreparing, TokensReady,
+                    ToolCallStarted)
 from .settings import ChatSettings, kv_label
 from .tools import ToolsFile, conversation, pending_calls
 from .widgets import ChatInput, MessageView, last_code_block, merge_spans
 
-__all__ = ["ChatView", "ActiveReply", "FLUSH_S", "MAX_FLUSH_S", "UI_CPU_BUDGET", "CANCELLED_NOTE", "model_label",
-           "TINY_MODEL_NOTE"]
+__all__ = ["ChatView", "CANCELLED_NOTE", "model_label", "TINY_MODEL_NOTE"]
 
-FLUSH_S = 0.03  # token batches reach the UI at most ~33 times a second...
-MAX_FLUSH_S = 0.5  # ...and at least twice a second
-# ...but the UI's own CPU while a reply streams stays under this share of one core, so rendering
-# (Markdown layout, compositing: tens of ms per frame on a slow CPU) cannot eat into decoding: the
-# interval between drains stretches to (UI CPU per frame) / UI_CPU_BUDGET.
-UI_CPU_BUDGET = 0.05
 # Under a cancelled reply: it stays in the history the model sees, so the note says so.
 CANCELLED_NOTE = "(cancelled; kept in the conversation)"
 # Above an empty chat with the default model: what it is, and how to get a real one.
@@ -63,95 +54,12 @@ def model_label(ref: str, kv_types: tuple[str, str]) -> str:
     return ref if kv_types == DEFAULT_LOAD.kv_types else f"{ref} · KV {kv_label(kv_types)}"
 
 
-# -- messages from the worker ---------------------------------------------------------------------
-class TokensReady(TMessage):
-    """Tokens are waiting in the reply's buffer (posted once per drain, not once per token)."""
-
-    def __init__(self, gen_id: int):
-        super().__init__()
-        self.gen_id = gen_id
-
-
-class SpeculationPreparing(TMessage):
-    """The generation is preparing its speculation (e.g. quantizing a self-draft) before its first token."""
-
-    def __init__(self, gen_id: int, progress: SpeculationProgress):
-        super().__init__()
-        self.gen_id, self.progress = gen_id, progress
-
-
-class PrefillShown(TMessage):
-    """The prompt is being read: `done` of `total` tokens (before the reply's first token)."""
-
-    def __init__(self, gen_id: int, progress: PrefillProgress):
-        super().__init__()
-        self.gen_id, self.progress = gen_id, progress
-
-
-class GenerationFinished(TMessage):
-    def __init__(self, gen_id: int, done: DoneEvent, stats: LiveStats):
-        super().__init__()
-        self.gen_id, self.done, self.stats = gen_id, done, stats
-
-
 class SessionResumed(TMessage):
     """The saved KV cache of chat `chat_id` was restored: its next reply reads only the new message."""
 
     def __init__(self, chat_id: int, model: str, tokens: int):
         super().__init__()
         self.chat_id, self.model, self.tokens = chat_id, model, tokens
-
-
-class ToolCallStarted(TMessage):
-    """The reply is writing a call of the tool `name` (its arguments stream; the block comes at the end)."""
-
-    def __init__(self, gen_id: int, name: str):
-        super().__init__()
-        self.gen_id, self.name = gen_id, name
-
-
-class GenerationFailed(TMessage):
-    """The reply failed; `load_failed`: loading that model and cache failed (the host kept what it had)."""
-
-    def __init__(self, gen_id: int, error: str, load_failed: ModelKey | None = None):
-        super().__init__()
-        self.gen_id, self.error, self.load_failed = gen_id, error, load_failed
-
-
-@dataclass
-class ActiveReply:
-    """The reply being generated. The worker appends to `pending` under `lock` and posts one
-    TokensReady when the buffer was idle; the UI drains it at most every FLUSH_S."""
-
-    gen_id: int
-    chat_id: int
-    model: str
-    view: MessageView | None
-    kv_types: tuple[str, str] = DEFAULT_LOAD.kv_types
-    drafted: list[tuple[int, int]] = field(default_factory=list)
-    length: int = 0
-    cancel: threading.Event = field(default_factory=threading.Event)
-    generation: Generation | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    pending: list[tuple[str, bool]] = field(default_factory=list)
-    wake_posted: bool = False
-    n_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    last_render: float = 0.0
-    ui_cpu_mark: float | None = None  # main-thread CPU time at the previous drain
-    frame_cpu: float = 0.0  # EMA of the UI's CPU seconds per drain (render included)
-    drain_scheduled: bool = False
-
-    def own_rate(self) -> float:
-        """Tokens per second as seen by the UI (after the first token)."""
-        if self.first_token_at is None or self.last_token_at is None or self.n_tokens < 2:
-            return 0.0
-        dt = self.last_token_at - self.first_token_at
-        return (self.n_tokens - 1) / dt if dt > 0 else 0.0
-
-    def flush_interval(self) -> float:
-        return min(max(FLUSH_S, self.frame_cpu / UI_CPU_BUDGET), MAX_FLUSH_S)
 
 
 class ChatView(ChatTools, Vertical):
@@ -385,18 +293,7 @@ class ChatView(ChatTools, Vertical):
         try:
             for ev in gen:
                 if isinstance(ev, TokenEvent):  # buffer it; wake the UI only if it is idle
-                    now = time.perf_counter()
-                    with active.lock:
-                        if active.first_token_at is None:
-                            active.first_token_at = now
-                        active.last_token_at = now
-                        active.n_tokens += 1
-                        if ev.text:
-                            active.pending.append((ev.text, ev.drafted))
-                        wake = not active.wake_posted and bool(active.pending)
-                        if wake:
-                            active.wake_posted = True
-                    if wake:
+                    if active.add_token(ev):
                         self.post_message(TokensReady(gen_id))
                 elif isinstance(ev, SpeculationProgress):
                     self.post_message(SpeculationPreparing(gen_id, ev))
@@ -456,9 +353,7 @@ class ChatView(ChatTools, Vertical):
 
     async def _drain(self, active: ActiveReply) -> None:
         """Move the buffered tokens into the reply view (UI thread)."""
-        with active.lock:
-            batch, active.pending = active.pending, []
-            active.wake_posted = False
+        batch = active.take_pending()
         if not batch:
             return
         text_parts: list[str] = []

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from edgeinfer import GenerationStats, SpeculationProgress
 
-__all__ = ["LiveStats", "preparing_line"]
+__all__ = ["LiveStats", "preparing_line", "duration_text"]
 
 _FINISH_WORDS = {"cancelled": "cancelled", "length": "max tokens"}
 
@@ -23,6 +23,7 @@ class LiveStats:
     ttft_s: float | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, stats: GenerationStats | None, own_rate: float = 0.0, finish_reason: str | None = None) -> LiveStats:
@@ -47,6 +48,7 @@ class LiveStats:
             ttft_s=stats.ttft_s or None,
             finish_reason=finish_reason,
             prompt_tokens=stats.prompt_tokens,
+            cached_tokens=stats.cached_tokens,
         )
 
     def line(self, model: str) -> str:
@@ -58,11 +60,22 @@ class LiveStats:
             else:
                 parts.append(self.method)
         if self.ttft_s:
-            parts.append(f"ttft {self.ttft_s:.2f} s")
+            # a prompt read from the cache (Regenerate, the next turn) answers in milliseconds
+            cached = " (prompt cached)" if self.prompt_tokens and self.cached_tokens >= 0.9 * self.prompt_tokens else ""
+            parts.append(f"ttft {duration_text(self.ttft_s)}{cached}")
         if self.finish_reason:
             parts.append(_FINISH_WORDS.get(self.finish_reason, "done"))
         parts.append(model)
         return " · ".join(parts)
+
+
+def duration_text(seconds: float) -> str:
+    """A time as it reads: 1.05 s, 120 ms, 4.2 ms (never "0.00 s", which reads as broken)."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 0.01:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds * 1000:.1f} ms" if seconds >= 0.0001 else "<0.1 ms"
 
 
 def preparing_line(model: str, ev: SpeculationProgress) -> str:

@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -28,6 +28,7 @@ from textual.widgets import (
     Static,
     TabbedContent,
     TabPane,
+    Tabs,
 )
 
 from edgeinfer import Cancelled
@@ -35,13 +36,21 @@ from edgeinfer.hub import DEFAULT_QUANT
 
 from .backend import CANCELLABLE_TASKS, Backend, ModelEntry, TaskProgress, one_line
 from .modals.confirm import ConfirmScreen
-from .model_table import MODEL_COLUMNS, format_optional, format_size, model_rows
+from .model_table import fill_model_table, format_optional, format_size
 
 __all__ = ["ManageScreen", "ladder_chart", "TASKS"]
+
+_TABLE_ROWS = 16  # the models table's max-height (header included)
 
 # kind -> (tab title, [(arg, label, placeholder)], hint)
 TASKS: dict[str, tuple[str, list[tuple[str, str, str]], str]] = {
     "pull": ("Pull", [("source", "Repository", "bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M")], "Download from the Hugging Face Hub (resumable, verified)."),
+    "import": (
+        "Import",
+        [("source", "GGUF file", "~/Downloads/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"),
+         ("name", "Name (optional)", "qwen2.5-coder-1.5b-instruct (default: from the file name)")],
+        "A .gguf file on this machine: validated, copied into the store, listed under a name.",
+    ),
     "convert": (
         "Convert",
         [("source", "HF model folder", "./SmolLM2-360M-Instruct"), ("outtype", "Out type", "f16 (or f32, bf16, q8_0)")],
@@ -104,7 +113,7 @@ class ManageScreen(Screen):
     BINDINGS = [Binding("escape", "app.pop_screen", "Back"), Binding("ctrl+l", "app.pop_screen", "Back", show=False)]
     DEFAULT_CSS = """
     ManageScreen TabbedContent { height: 1fr; }
-    ManageScreen DataTable { height: auto; max-height: 16; }
+    ManageScreen DataTable { height: auto; max-height: 16; }  /* _TABLE_ROWS */
     ManageScreen .row { height: auto; margin: 1 0 0 0; }
     ManageScreen .row Label { width: 18; padding-top: 1; }
     ManageScreen .row Input { width: 1fr; }
@@ -154,7 +163,6 @@ class ManageScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#manage-models", DataTable).add_columns(*MODEL_COLUMNS)
         self.query_one("#ladder-table", DataTable).add_columns("Quant", "Bits/w", "Size", "PPL", "KLD", "Same-top", "tok/s")
         self.refresh_models()
 
@@ -170,10 +178,7 @@ class ManageScreen(Screen):
 
     def _fill_models(self, entries: list[ModelEntry]) -> None:
         self.entries = entries
-        table = self.query_one("#manage-models", DataTable)
-        table.clear()
-        for e, row in zip(entries, model_rows(entries)):
-            table.add_row(*row, key=e.ref)
+        self._fill_table()
         names = sorted({e.name or e.ref.split(":")[0] for e in entries})
         select = self.query_one("#ladder-name", Select)
         current = select.value
@@ -182,6 +187,14 @@ class ManageScreen(Screen):
             select.value = current
         elif names:
             select.value = names[0]
+
+    def _fill_table(self) -> None:
+        """The models table, as wide as the screen (the names give way, not the columns after them)."""
+        fill_model_table(self.query_one("#manage-models", DataTable), self.entries, _TABLE_ROWS)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.entries:
+            self._fill_table()
 
     @on(Button.Pressed, "#refresh-models")
     def _refresh(self) -> None:
@@ -244,6 +257,28 @@ class ManageScreen(Screen):
         kind = (event.pane.id or "").removeprefix("tab-")
         if kind in TASKS:  # type what the task needs at once, no Tab presses
             self.query_one(f"#{kind}-{TASKS[kind][1][0][0]}", Input).focus()
+
+    def on_key(self, event: events.Key) -> None:
+        """Text typed right after the arrow that opens a task's tab goes into its first field, in
+        the order typed. The tab bar moves on its arrow binding only once the key has passed this
+        screen, so the letters that came with the arrow (a terminal delivers a fast typist's keys
+        together) reached the old tab and were dropped: the arrows move the tabs here instead."""
+        tabbed = self.query_one("#manage-tabs", TabbedContent)
+        if self.focused is not tabbed.query_one(Tabs):
+            return
+        if event.key in ("left", "right"):
+            panes = [pane.id for pane in tabbed.query(TabPane)]
+            step = 1 if event.key == "right" else -1
+            tabbed.active = panes[(panes.index(tabbed.active) + step) % len(panes)]
+            event.stop()
+            event.prevent_default()
+            return
+        kind = tabbed.active.removeprefix("tab-")
+        if kind in TASKS and event.is_printable and event.character:
+            field = self.query_one(f"#{kind}-{TASKS[kind][1][0][0]}", Input)
+            field.insert_text_at_cursor(event.character)
+            field.focus()
+            event.stop()
 
     @on(Input.Submitted)
     def _submitted(self, event: Input.Submitted) -> None:

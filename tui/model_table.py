@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
+from rich.text import Text
+from textual.widgets import DataTable
+
 from .backend import ModelEntry
 from .settings import kv_label
 
-__all__ = ["MODEL_COLUMNS", "model_rows", "format_size", "format_optional", "format_mib", "kv_cost_line"]
+__all__ = ["MODEL_COLUMNS", "model_rows", "fill_model_table", "format_size", "format_optional", "format_mib",
+           "kv_cost_line"]
 
 MODEL_COLUMNS = ("Model", "Quant", "Size", "Bits/w", "KLD", "Same-top", "tok/s", "Fits RAM")
+MIN_NAME_WIDTH = 16  # a name shortened to less than this is no use; the table scrolls sideways instead
 
 
 def format_size(n: float) -> str:
@@ -55,3 +61,22 @@ def model_rows(entries: list[ModelEntry]) -> list[tuple[str, ...]]:
         )
         for e in entries
     ]
+
+
+def fill_model_table(table: DataTable, entries: list[ModelEntry], max_rows: int) -> None:
+    """The rows of `entries` in `table`, no wider than its container: the columns of numbers get
+    what they need, the model names the rest (a longer name ends in "…", never the columns after
+    it). `max_rows`: the rows the table shows before it scrolls (then its scrollbar takes room too)."""
+    rows = model_rows(entries)
+    parent = table.parent
+    width = (parent.content_region.width if parent is not None else 0) or table.app.size.width
+    pad = 2 * table.cell_padding
+    others = sum(max(cell_len(h), *(cell_len(r[i]) for r in rows)) + pad for i, h in enumerate(MODEL_COLUMNS) if i)
+    if len(rows) + 1 > max_rows:
+        width -= table.styles.scrollbar_size_vertical
+    longest = max(cell_len(MODEL_COLUMNS[0]), *(cell_len(r[0]) for r in rows))
+    table.clear(columns=True)
+    table.add_column(MODEL_COLUMNS[0], width=max(MIN_NAME_WIDTH, min(longest, width - others - pad)))
+    table.add_columns(*MODEL_COLUMNS[1:])
+    for e, row in zip(entries, rows):
+        table.add_row(Text(row[0], no_wrap=True, overflow="ellipsis"), *row[1:], key=e.ref)

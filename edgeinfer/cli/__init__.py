@@ -42,11 +42,23 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's one-line errors (a bad flag value reads like every other error) and
-    defaults in --help; subcommand parsers inherit the class."""
+    defaults in --help; subcommand parsers inherit the class. `intermixed=True`: flags may come
+    between the positional arguments (`run MODEL --temperature 0 "prompt"`), which plain argparse
+    refuses once a `*` positional has taken the arguments before the first flag."""
 
-    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+    def __init__(self, *args: typing.Any, intermixed: bool = False, **kwargs: typing.Any) -> None:
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
+        self._intermixed = intermixed
+
+    def parse_known_args(self, args: typing.Any = None, namespace: typing.Any = None) -> typing.Any:
+        if not self._intermixed:
+            return super().parse_known_args(args, namespace)
+        self._intermixed = False  # parse_known_intermixed_args calls parse_known_args (twice) itself
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = True
 
     def add_argument(self, *args: typing.Any, **kwargs: typing.Any) -> argparse.Action:
         action = super().add_argument(*args, **kwargs)

@@ -95,10 +95,12 @@ def line_chat(
     read: Callable[[str], str] = input,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    raw: bool = False,
 ) -> int:
     """A chat on the terminal: each line (or \"\"\"-block) is a message, the reply streams after it,
-    the conversation carries on. `system`: the --system prompt (None: the model's default). Ends at
-    /bye or end of input, exit code 0."""
+    the conversation carries on. `system`: the --system prompt (None: the model's default). `raw`
+    (a model without a chat template): no roles, the model continues the text so far, each line
+    appended to it. Ends at /bye or end of input, exit code 0."""
     import edgeinfer
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -136,17 +138,25 @@ def line_chat(
             print(f"unknown command {command.split()[0]} (/? lists them)", file=err, flush=True)
             continue
         history.append({"role": "user", "content": text})
-        reply = _reply(engine, history, options, chosen if chosen is not None else default_system, out)
+        if raw:  # the transcript so far, continued
+            transcript = "\n".join(m["content"] for m in history)
+            reply = _reply(engine, transcript, options, None, out)
+        else:
+            reply = _reply(engine, history, options, chosen if chosen is not None else default_system, out)
         if reply is None:  # cancelled before any text: the turn never happened
             history.pop()
         else:
             history.append({"role": "assistant", "content": reply})
 
 
-def _reply(engine: edgeinfer.Engine, history: Iterable[dict[str, str]], options: edgeinfer.GenerateOptions,
+def _reply(engine: edgeinfer.Engine, history: Iterable[dict[str, str]] | str, options: edgeinfer.GenerateOptions,
            system: str | None, out: TextIO) -> str | None:
-    """Stream one reply; Ctrl-C stops it (its text so far is kept). None when nothing came."""
-    gen = engine.chat(list(history), options, system=system or None)
+    """Stream one reply (to a conversation, or a raw text's continuation); Ctrl-C stops it (its
+    text so far is kept). None when nothing came."""
+    if isinstance(history, str):
+        gen = engine.generate(history, options)
+    else:
+        gen = engine.chat(list(history), options, system=system or None)
 
     def on_interrupt(_signum: int, _frame: object) -> None:
         gen.cancel()

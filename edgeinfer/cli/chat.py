@@ -19,9 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         parents=[common_options()],
         help="chat with a model in a full-screen terminal UI",
         description="Open the terminal chat UI: chats saved in the store, model picker, speculation panel, "
-        "model management. No model means the chat's last model, or the default model.",
+        "model management. Without MODEL the last chat opens with its model (a first chat: the default "
+        "model); with MODEL a new chat with that model opens, and Ctrl+B goes back to the last chat.",
     )
-    p.add_argument("model", nargs="?", help="model (store name or .gguf path)")
+    p.add_argument("model", nargs="?", help="model of a new chat (store name or .gguf path)")
     p.add_argument("--ctx", type=ctx_type, help="context size in tokens (default: min(model's, 4096))")
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ._common import common_options, format_bytes, print_table
@@ -36,6 +37,8 @@ def _source(m) -> str:
         return f"hf:{src.get('repo', '?')}"
     if kind == "package":
         return f"pkg:{src.get('package', '?')}"
+    if kind == "import":
+        return f"import:{os.path.basename(str(src.get('path', '?')))}"
     if m.derived_from:
         return f"{kind or 'from'}:{m.derived_from}"
     return kind or "-"

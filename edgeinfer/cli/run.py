@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
         parents=[common_options()],
+        intermixed=True,  # `run MODEL --temperature 0 "prompt"`
         help="generate text with a model (streams to stdout)",
         description="Generate text. With one positional argument it is the prompt unless it names a model "
         "(an argument shaped like NAME:TAG or *.gguf that names nothing is an error: use -p for such a prompt); "
@@ -251,17 +252,19 @@ def run(args: argparse.Namespace) -> int:
         if args.ctx is not None and engine.n_ctx != args.ctx:
             print(f"edgeinfer: note: context of {args.ctx} tokens rounded to {engine.n_ctx} by llama.cpp", file=sys.stderr)
         _prepare_speculation(engine, options.speculation)
+        if args.chatml:
+            engine.chat_template = "chatml"
+        raw = args.raw or not engine.has_chat_template  # a base model continues text; ChatML would be noise
+        if raw and not args.raw:
+            print(f"edgeinfer: note: {engine.name} has no chat template (a base model?): the prompt is completed "
+                  "as raw text (--chatml chats with ChatML anyway)", file=sys.stderr, flush=True)
         if interactive:
             from ._interactive import line_chat
 
-            if args.chatml:
-                engine.chat_template = "chatml"
-            return line_chat(engine, options, system)
-        if args.raw:
+            return line_chat(engine, options, system, raw=raw)
+        if raw:
             gen = engine.generate(text, options)
         else:
-            if args.chatml:
-                engine.chat_template = "chatml"
             messages = [{"role": "user", "content": text}]
             if system is None:  # no --system: the model's default (the default model's measured one)
                 system = edgeinfer.default_system_prompt(engine.manifest.ref if engine.manifest else engine.path)

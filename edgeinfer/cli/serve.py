@@ -159,22 +159,29 @@ def api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+# What a running server says on stderr: its access lines and warnings, and the models it loads and
+# unloads (on demand, to make room, when a keep-alive runs out, on `edgeinfer stop`).
+_SERVER_LOGGERS = ("edgeinfer_server", "edgeinfer.service")
+
+
 @contextlib.contextmanager
 def _server_log_to_stderr() -> Iterator[None]:
-    """The server's access lines and warnings on stderr as `edgeinfer: ...` (restored after)."""
+    """The server's lines (_SERVER_LOGGERS) on stderr as `edgeinfer: ...` (restored after)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("edgeinfer: %(message)s"))
-    logger = logging.getLogger("edgeinfer_server")
-    saved = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    loggers = [logging.getLogger(name) for name in _SERVER_LOGGERS]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(min(logging.INFO, lg.getEffectiveLevel()))  # (-vv keeps its debug lines)
+        lg.propagate = False
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
+        for lg, (level, propagate) in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
 
 
 def _say_progress(event) -> None:  # noqa: ANN001 - edgeinfer.SpeculationProgress

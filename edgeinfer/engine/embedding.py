@@ -45,7 +45,7 @@ import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -66,9 +66,8 @@ from ..errors import (
     InvalidModelError,
     InvalidOptionError,
 )
-from ..kv_types import KV_CACHE_TYPES, flash_attn_for
-from ..llama_backend import backend, log_capture
-from .llama.runtime import FLASH_ATTN_TYPE, set_fields
+from ..llama_backend import backend
+from .llama.context import DecodeRows, LlamaContext, context_params
 
 if TYPE_CHECKING:
     from .llama.runtime import LlamaRuntime
@@ -181,8 +180,7 @@ class Embedder:
                 raise InvalidOptionError(f"n_seq_max must be at most {seq_cap} (llama.cpp's limit), got {n_seq_max}")
         self._n_seq_max = n_seq_max or seq_cap
         self._lock = threading.Lock()
-        self._ctx: Any = None
-        self._batch: Any = None
+        self._context: LlamaContext | None = None
         self._ctx_tokens = 0  # tokens one decode takes in the open context
         self._ctx_pooling: str | None = None
         self._ctx_seqs = 0
@@ -279,7 +277,8 @@ class Embedder:
         pooling = options.pooling.lower() if options.pooling is not None else self.declared_pooling
         if pooling is None or pooling == "none":
             raise InvalidOptionError(
-                f"{name} declares no pooling type (it is not an embedding model): choose one (pooling mean, cls or last)")
+                f"{name} declares no pooling type (it is not an embedding model): choose mean, cls or last "
+                "(`--pooling mean` on the command line, the `pooling` field in the API)")
         if pooling == "rank":
             raise InvalidOptionError(f"{name} is a reranker (pooling 'rank'), not an embedding model")
         normalize = self.normalize_default if options.normalize is None else options.normalize
@@ -342,43 +341,19 @@ class Embedder:
     def _ensure_context(self, pooling: str, longest: int) -> None:
         """A context with this pooling that takes `longest` tokens in one decode (holds the lock)."""
         size = self._ctx_tokens
-        if self._ctx is not None and self._ctx_pooling == pooling and longest <= size:
+        if self._context is not None and self._ctx_pooling == pooling and longest <= size:
             return
         size = max(size, min(self.max_tokens, DEFAULT_EMBED_CTX))
         while size < longest:
             size = min(size * 2, self.max_tokens)
         self._free()
-        ll, rt = self._ll, self._rt
-        opts = rt.options
-        kv_k, kv_v = opts.kv_types
+        rt = self._rt
         n_seq = min(self._n_seq_max, size)
-        cparams = ll.llama_context_default_params()
-        threads = rt.threads
-        set_fields(
-            cparams,
-            n_ctx=size,
-            n_batch=size,
-            n_ubatch=size,  # one ubatch per decode: a pooled sequence must not be split
-            n_seq_max=n_seq,
-            kv_unified=True,
-            n_threads=threads,
-            n_threads_batch=threads,
-            type_k=KV_CACHE_TYPES[kv_k].ggml_type,
-            type_v=KV_CACHE_TYPES[kv_v].ggml_type,
-            flash_attn_type=FLASH_ATTN_TYPE[flash_attn_for(kv_k, kv_v, opts.flash_attn)],
-            embeddings=True,
-            pooling_type=POOLING_CODES[pooling],
-            no_perf=True,
-        )
-        said: list[str] = []
-        with log_capture(lambda _level, text: said.append(text)):
-            ctx = ll.llama_init_from_model(rt.model, cparams)
-        if not ctx:
-            reason = next((s.strip() for s in reversed("".join(said).splitlines()) if "error" in s.lower()), "")
-            raise InvalidModelError(f"{rt.path.name}: llama.cpp could not create an embedding context of {size} tokens"
-                                    + (f" ({reason})" if reason else ""))
-        self._ctx = ctx
-        self._batch = ll.llama_batch_init(size, 0, 1)
+        # one ubatch per decode (n_ubatch = n_batch = size): a pooled sequence must not be split
+        cparams = context_params(rt.options, n_ctx=size, n_batch=size, threads=rt.threads, n_seq_max=n_seq,
+                                 embeddings=True, pooling_type=POOLING_CODES[pooling])
+        self._context = LlamaContext(rt.model, cparams, f"{rt.path.name}: llama.cpp could not create an embedding "
+                                                        f"context of {size} tokens")
         self._ctx_tokens = size
         self._ctx_pooling = pooling
         self._ctx_seqs = n_seq
@@ -386,10 +361,10 @@ class Embedder:
 
     def _run(self, tokens: list[list[int]], cancel: CancelToken) -> np.ndarray:
         """Pooled vectors [len(tokens), n_embd_out], packing inputs in order into decodes."""
-        ll = self._ll
+        assert self._context is not None
         out = np.empty((len(tokens), self.dimensions), np.float32)
         threads = self._rt.threads
-        ll.llama_set_n_threads(self._ctx, threads, threads)
+        self._ll.llama_set_n_threads(self._context.ctx, threads, threads)
         group: list[int] = []
         used = 0
         for i, t in enumerate(tokens):
@@ -403,36 +378,26 @@ class Embedder:
 
     def _decode(self, group: list[int], tokens: list[list[int]], out: np.ndarray, cancel: CancelToken) -> None:
         raise_if_cancelled(cancel, "embedding cancelled")
-        ll, b = self._ll, self._batch
-        ll.llama_memory_clear(ll.llama_get_memory(self._ctx), True)
-        n = 0
+        ll, context = self._ll, self._context
+        assert context is not None
+        ll.llama_memory_clear(context.memory, True)
+        rows = DecodeRows()
         for seq, i in enumerate(group):
-            for pos, tok in enumerate(tokens[i]):
-                b.token[n] = tok
-                b.pos[n] = pos
-                b.n_seq_id[n] = 1
-                b.seq_id[n][0] = seq
-                b.logits[n] = True  # an embedding context outputs every token (llama.cpp requires it)
-                n += 1
-        b.n_tokens = n
-        rc = ll.llama_decode(self._ctx, b)
+            rows.extend(tokens[i], 0, seq, 0)  # an embedding context outputs every token (llama.cpp requires it)
+        rc = context.decode(rows)
         if rc != 0:
             raise InvalidModelError(f"{self._rt.path.name}: llama_decode failed with code {rc} while embedding")
         for seq, i in enumerate(group):
-            ptr = ll.llama_get_embeddings_seq(self._ctx, seq)
+            ptr = ll.llama_get_embeddings_seq(context.ctx, seq)
             if not ptr:
                 raise InvalidModelError(f"{self._rt.path.name}: llama.cpp returned no pooled embedding for input {i}")
             out[i] = np.ctypeslib.as_array(ptr, shape=(self.dimensions,))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _free(self) -> None:
-        ll = self._ll
-        if self._batch is not None:
-            ll.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx is not None:
-            ll.llama_free(self._ctx)
-            self._ctx = None
+        if self._context is not None:
+            self._context.close()
+            self._context = None
         self._ctx_tokens = 0
         self._ctx_pooling = None
 

@@ -208,7 +208,7 @@ async def handle_messages(service: Any, request: Request) -> Response:
     body = await service.read_json(request)
     translated = await run_in_threadpool(translate_messages, body)
     plan = await plan_for(service.models, translated.model)
-    parsed = parse_translated(translated, plan, service.max_tokens_limit(plan))
+    parsed = await run_in_threadpool(parse_translated, translated, plan, service.max_tokens_limit(plan))
     try:
         return await service.generate(request, parsed, plan, None,
                                       reply=lambda ctx: AnthropicReply(ctx, translated.extra["stops"]))
@@ -221,8 +221,8 @@ async def handle_count_tokens(service: Any, request: Request) -> Response:
     body = await service.read_json(request)
     translated = await run_in_threadpool(translate_messages, body, count_only=True)
     plan = await plan_for(service.models, translated.model)
-    parsed = parse_translated(translated, plan, service.max_tokens_limit(plan))
-    lease = await acquire(service.models, parsed.model, None)
+    parsed = await run_in_threadpool(parse_translated, translated, plan, service.max_tokens_limit(plan))
+    lease = await acquire(service.models, parsed.model, None, request)
     try:
         tokens, _, _ = await run_in_threadpool(prepare_chat, lease.engine, parsed.messages, parsed.options,
                                                parsed.tools)

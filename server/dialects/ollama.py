@@ -199,7 +199,8 @@ def translate_ollama(body: Any, kind: str) -> Translated | None:
     return Translated("chat", out, names, adjust=_adjust(later))
 
 
-async def _load_or_unload(service: Any, body: Mapping[str, Any], kind: str, keep_alive: float | None) -> Response:
+async def _load_or_unload(service: Any, request: Request, body: Mapping[str, Any], kind: str,
+                          keep_alive: float | None) -> Response:
     """Ollama's way to load a model (an empty request) or unload it (the same with keep_alive 0)."""
     plan = await plan_for(service.models, body["model"])
     if keep_alive == 0:
@@ -209,7 +210,7 @@ async def _load_or_unload(service: Any, body: Mapping[str, Any], kind: str, keep
             pass  # not loaded: nothing to unload, as Ollama answers
         reason = "unload"
     else:
-        lease = await acquire(service.models, body["model"], keep_alive)
+        lease = await acquire(service.models, body["model"], keep_alive, request)
         lease.release()
         reason = "load"
     piece = {"response": ""} if kind == "generate" else {"message": {"role": "assistant", "content": ""}}
@@ -222,9 +223,9 @@ async def handle_ollama_generation(service: Any, request: Request, kind: str) ->
     translated = await run_in_threadpool(translate_ollama, body, kind)
     keep_alive = keep_alive_field(body)
     if translated is None:
-        return await _load_or_unload(service, body, kind, keep_alive)
+        return await _load_or_unload(service, request, body, kind, keep_alive)
     plan = await plan_for(service.models, translated.model)
-    parsed = parse_translated(translated, plan, service.max_tokens_limit(plan))
+    parsed = await run_in_threadpool(parse_translated, translated, plan, service.max_tokens_limit(plan))
     try:
         return await service.generate(request, parsed, plan, keep_alive, reply=lambda ctx: OllamaReply(ctx, kind))
     except APIError as e:

@@ -228,7 +228,7 @@ async def handle_responses(service: Any, store: ResponseStore, request: Request)
                            param="previous_response_id", code="not_found")
     translated = await run_in_threadpool(translate_responses, body, history)
     plan = await plan_for(service.models, translated.model)
-    parsed = parse_translated(translated, plan, service.max_tokens_limit(plan))
+    parsed = await run_in_threadpool(parse_translated, translated, plan, service.max_tokens_limit(plan))
     keep_alive = keep_alive_field(body)
     conversation = translated.extra["conversation"]
 

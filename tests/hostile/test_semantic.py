@@ -154,12 +154,12 @@ def test_register_refuses_what_llama_cpp_would_abort_on(tmp_path):
 @pytest.fixture
 def probes(monkeypatch) -> list[str]:
     """The child-process load turned on, recorded instead of run (what is tested is when it runs)."""
-    import edgeinfer.validate as validate
+    from edgeinfer.validate import admission
 
     calls: list[str] = []
     monkeypatch.setenv(PROBE_ENV, "1")
-    monkeypatch.setattr(validate, "_passed_in_this_process", set())
-    monkeypatch.setattr(validate, "probe_load", lambda path, **_: calls.append(Path(path).name))
+    monkeypatch.setattr(admission, "_passed_in_this_process", set())
+    monkeypatch.setattr(admission, "probe_load", lambda path, **_: calls.append(Path(path).name))
     return calls
 
 
@@ -198,6 +198,7 @@ def test_registration_records_the_check_in_the_manifest(tmp_path, probes):
 def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
     import edgeinfer.validate as validate
     from edgeinfer import Store
+    from edgeinfer.validate import admission
 
     calls = []
 
@@ -206,8 +207,8 @@ def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
         raise InvalidModelError(f"llama.cpp could not load {Path(path).name}: no")
 
     monkeypatch.setenv(PROBE_ENV, "1")
-    monkeypatch.setattr(validate, "_passed_in_this_process", set())
-    monkeypatch.setattr(validate, "probe_load", refuse)
+    monkeypatch.setattr(admission, "_passed_in_this_process", set())
+    monkeypatch.setattr(admission, "probe_load", refuse)
     path = write_model(tmp_path / "m.gguf")
     for _ in range(2):
         with pytest.raises(InvalidModelError, match="llama.cpp could not load m.gguf"):

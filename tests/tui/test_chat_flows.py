@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import replace
 
@@ -115,6 +116,24 @@ def test_regenerate_replaces_last_reply(make_app, backend):
             await wait_for(pilot, lambda: len(_views(app)) == 2 and _views(app)[1].content == "secondanswer")
             assert [m.content for m in app.store.messages(app.chat_view.chat.id)] == ["q", "secondanswer"]
             assert turns(backend.calls[1][1]) == [{"role": "user", "content": "q"}]
+
+    run(main())
+
+
+def test_the_stats_line_after_regenerate_gives_a_time_that_reads(make_app, backend):
+    """Regenerate reads the prompt from the cache, so the first token comes in milliseconds: the
+    status line read "ttft 0.00 s", which looks broken; it says the milliseconds."""
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None)
+            await pilot.press("q", "enter")
+            await wait_for(pilot, lambda: len(backend.calls) == 1 and not app.chat_view.generating)
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: len(backend.calls) == 2 and not app.chat_view.generating)
+            stats = str(app.chat_screen.query_one("#stats").render())
+            assert re.search(r"· ttft (<0\.1|\d+(\.\d)?) ms ·", stats) and "0.00 s" not in stats, stats
 
     run(main())
 
@@ -286,5 +305,21 @@ def test_a_reply_cancelled_before_its_first_token_is_dropped(make_app, backend):
             await pilot.press("enter")
             await wait_for(pilot, lambda: len(backend.calls) == 2 and not view.generating)
             assert turns(backend.calls[1][1]) == [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
+
+    run(main())
+
+
+def test_a_model_without_a_chat_template_is_said(make_app, backend):
+    """A base model (no chat template) is chatted with through ChatML, which it never learned: the
+    app says so when the model is loaded instead of leaving the user to wonder at its replies."""
+    backend.no_template = {"smollm2-135m-instruct:q4_1"}
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: any("no chat template" in n.message for n in app._notifications),
+                           what="the note")
+            note = next(n for n in app._notifications if "no chat template" in n.message)
+            assert note.severity == "warning" and "smollm2-135m-instruct:q4_1" in note.message
 
     run(main())

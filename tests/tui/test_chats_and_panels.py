@@ -23,6 +23,55 @@ def _items(app):
     return list(app.chat_screen.query(ChatListItem))
 
 
+def test_chat_model_opens_a_new_chat_for_that_model_and_the_last_is_one_key_away(make_app, backend, db_path):
+    """`edgeinfer chat MODEL` used to reopen the last chat and send its whole history to MODEL."""
+    from edgeinfer_tui.chat_store import ChatStore
+
+    store = ChatStore(db_path)
+    last = store.create_chat(title="About France", model="smollm2-135m-instruct:q4_1")
+    store.add_message(last.id, "user", "What is the capital of France?")
+    store.add_message(last.id, "assistant", "Paris.")
+    store.close()
+
+    async def main():
+        app = make_app(model="smollm2-135m-instruct:q8_0")
+        async with app.run_test(size=(100, 30)) as pilot:
+            view = app.chat_view
+            await wait_for(pilot, lambda: view.chat is not None and backend.loads)
+            assert view.chat.id != last.id and view.model_ref == "smollm2-135m-instruct:q8_0" and _views(app) == []
+            assert backend.loads == ["smollm2-135m-instruct:q8_0"]
+            assert [i.title for i in _items(app)][1:] == ["About France"]
+            assert any("ctrl+b goes back to your last chat" in n.message for n in app._notifications)
+            assert app.store.get_chat(last.id).model == "smollm2-135m-instruct:q4_1"  # the last chat keeps its model
+            await say(pilot, backend, "hello")
+            assert turns(backend.calls[-1][1]) == [{"role": "user", "content": "hello"}]  # no history sent along
+            new = view.chat.id
+            await pilot.press("ctrl+b")  # the last chat, one key away
+            await wait_for(pilot, lambda: view.chat.id == last.id)
+            assert [v.content for v in _views(app)] == ["What is the capital of France?", "Paris."]
+            await pilot.press("ctrl+b")  # and back
+            await wait_for(pilot, lambda: view.chat.id == new)
+
+    run(main())
+
+
+def test_chat_model_with_an_empty_last_chat_uses_it(make_app, backend, db_path):
+    from edgeinfer_tui.chat_store import ChatStore
+
+    store = ChatStore(db_path)
+    empty = store.create_chat(model="smollm2-135m-instruct:q4_1")
+    store.close()
+
+    async def main():
+        app = make_app(model="smollm2-135m-instruct:q8_0")
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: app.chat_view.chat is not None and backend.loads)
+            assert app.chat_view.chat.id == empty.id and len(_items(app)) == 1  # no empty chats pile up
+            assert app.chat_view.model_ref == "smollm2-135m-instruct:q8_0"
+
+    run(main())
+
+
 def test_switch_chats_and_persist_across_restart(make_app, backend):
     async def first_session():
         app = make_app()

@@ -102,6 +102,7 @@ README_KEYS = {
     "Ctrl+G colours": "toggle_drafted",
     "Ctrl+S edits": "settings",
     "Ctrl+L manages models": "manage",
+    "Ctrl+B goes back to the chat open before": "last_chat",
     "F1 lists every key": "help",
     "Ctrl+F opens it again": "tool_result",
 }

@@ -140,6 +140,71 @@ def test_task_tab_focuses_its_first_field_and_enter_starts_it(make_app, backend)
     run(main())
 
 
+def test_text_typed_right_after_the_arrow_that_opens_a_task_tab_reaches_its_field(make_app, backend):
+    """A terminal delivers a fast typist's keys together: the arrow that opens the Pull tab and the
+    letters after it reach the tab bar before the field takes the focus. They used to be dropped
+    (the user had to press Tab twice and type again); they go into the field, in order."""
+    from textual import events
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await _open_manage(pilot, app)
+            assert app.focused is screen.query_one("#manage-tabs Tabs")
+            for key in ("right", "right", *"org/repo"):  # all queued at once, as one read of the terminal
+                app.post_message(events.Key(key, key if len(key) == 1 else None))
+            field = screen.query_one("#pull-source")
+            await wait_for(pilot, lambda: field.value == "org/repo", what=f"the typed text (got {field.value!r})")
+            assert app.focused is field
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: backend.tasks == [("pull", {"source": "org/repo"})], what="the pull")
+
+    run(main())
+
+
+def test_the_models_table_fits_100_columns(make_app, backend):
+    """A long store name (qwen2.5-coder-1.5b-instruct:q4_k_m beside a longer one) made the table
+    wider than the screen: "Fits RAM" was cut at 100 columns. The names give way instead, and a
+    name that does not fit ends in "…"."""
+    from edgeinfer_tui.backend import ModelEntry
+
+    long_names = ("qwen2.5-coder-1.5b-instruct:q4_k_m", "deepseek-r1-distill-qwen-1.5b-instruct:q4_k_m")
+    for ref in long_names:
+        backend.models.append(ModelEntry(ref=ref, name=ref.split(":")[0], quant="Q4_K_M", size=1_117_320_800,
+                                         bits_per_weight=5.06, kld=0.0123, same_top=95.5, tok_s=18.2, fits=False))
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = await _open_manage(pilot, app)
+            table = screen.query_one("#manage-models")
+            await pilot.pause()
+            widths = [c.get_render_width(table) for c in table.ordered_columns]
+            assert [str(c.label) for c in table.ordered_columns][-1] == "Fits RAM"
+            assert sum(widths) <= table.scrollable_content_region.width, widths  # nothing scrolls sideways
+            assert table.max_scroll_x == 0
+            names = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+            assert long_names[0] in names  # shown whole where it fits
+            assert widths[0] - 2 < len(long_names[1])  # the longest is cut (with "…", rendered by rich)
+            await pilot.resize_terminal(140, 30)  # a wider screen: the whole name again
+            await wait_for(pilot, lambda: table.ordered_columns[0].get_render_width(table) - 2 >= len(long_names[1]))
+
+    run(main())
+
+
+def test_the_import_tab_imports_a_file_under_a_name(make_app, backend):
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await _open_manage(pilot, app)
+            await _start(pilot, screen, "import", source="/home/me/model.gguf", name="mine")
+            await wait_for(pilot, lambda: "done" in str(screen.query_one("#import-result").render()))
+            assert backend.tasks == [("import", {"source": "/home/me/model.gguf", "name": "mine"})]
+            await wait_for(pilot, lambda: screen.query_one("#manage-models").row_count == 4, what="the model listed")
+
+    run(main())
+
+
 def test_progress_events_of_the_library_map_to_bars():
     """The library's own progress events, as the manage screen shows them."""
     from pathlib import Path

@@ -168,12 +168,14 @@ def test_real_model_chat_resumes_after_the_app_restarted(default_model_copy, db_
     chat_id = store.create_chat(model=model, settings=settings.to_dict()).id
     store.close()
 
-    def app() -> EdgeInferApp:
-        return EdgeInferApp(LibraryBackend(edgeinfer.LoadOptions(n_ctx=2048)), model=model, db_path=db_path,
+    def app(asked: str | None = None) -> EdgeInferApp:
+        """`edgeinfer chat` (the last chat, with its model) or `edgeinfer chat MODEL` (a new chat once
+        the last has messages)."""
+        return EdgeInferApp(LibraryBackend(edgeinfer.LoadOptions(n_ctx=2048)), model=asked, db_path=db_path,
                             config=TuiConfig())
 
     async def first_run():
-        a = app()
+        a = app(model)
         async with a.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: a.chat_view.chat is not None)
             a.chat_view.chat_input.text = _notes()

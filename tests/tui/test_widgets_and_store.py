@@ -161,3 +161,15 @@ def test_stats_line_says_when_a_drafter_switched_itself_off():
     assert line.startswith("11 tokens · 20.0 tok/s · self=Q3_K_M off ·") and "accepted" not in line
     stats.speculation.note = ""
     assert "· self=Q3_K_M ·" in LiveStats.of(stats, 0.0).line("smollm2")
+
+
+def test_stats_line_times_read_at_every_scale():
+    """A first token in milliseconds (a cached prompt) reads as such, never as "0.00 s"."""
+    from edgeinfer import GenerationStats
+    from edgeinfer_tui.live_stats import LiveStats, duration_text
+
+    assert [duration_text(s) for s in (1.234, 0.12, 0.0042, 0.00002)] == ["1.23 s", "120 ms", "4.2 ms", "<0.1 ms"]
+    cached = GenerationStats(prompt_tokens=40, cached_tokens=39, generated_tokens=5, ttft_s=0.0042, decode_s=0.1)
+    assert "· ttft 4.2 ms (prompt cached) ·" in LiveStats.of(cached).line("m")
+    fresh = GenerationStats(prompt_tokens=40, cached_tokens=0, generated_tokens=5, ttft_s=1.5, decode_s=0.1)
+    assert "· ttft 1.50 s ·" in LiveStats.of(fresh).line("m")

@@ -133,6 +133,10 @@ class ScriptedEngine:
         self.closed = False
         self.prepared: set[str] = set()
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self.ref not in self.backend.no_template
+
     def _needs_preparing(self, spec: edgeinfer.SpeculationOptions) -> bool:
         return spec.method not in ("off", "lookup") and spec.method not in self.prepared
 
@@ -215,6 +219,7 @@ class FakeBackend:
     fail_kv: dict[tuple[str, str], str] = field(default_factory=dict)  # (K, V) cache types -> error message
     load_options: edgeinfer.LoadOptions | None = None  # as `edgeinfer chat` would set them
     fail_chat: str | None = None
+    no_template: set[str] = field(default_factory=set)  # models that ship no chat template (base models)
     preparing: tuple[SpeculationProgress, ...] = ()  # what preparing a self-draft/draft speculation reports
     prefill: tuple[PrefillProgress, ...] = ()  # what each generation reports while reading its prompt
     prepare_gate: threading.Event | None = None  # prepare_speculation ends once it is set

@@ -9,10 +9,12 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Label, Static
 
 from ..backend import Backend, ModelEntry
-from ..model_table import MODEL_COLUMNS, kv_cost_line, model_rows
+from ..model_table import fill_model_table, kv_cost_line
 from .base import Dialog
 
 __all__ = ["ModelPickerScreen"]
+
+_TABLE_ROWS = 20  # the table's max-height (header included)
 
 
 class ModelPickerScreen(Dialog):
@@ -20,7 +22,7 @@ class ModelPickerScreen(Dialog):
 
     DEFAULT_CSS = """
     ModelPickerScreen .dialog { width: 110; }
-    ModelPickerScreen DataTable { height: auto; max-height: 20; }
+    ModelPickerScreen DataTable { height: auto; max-height: 20; }  /* _TABLE_ROWS */
     ModelPickerScreen #picker-kv { height: auto; margin-top: 1; }
     """
 
@@ -41,7 +43,6 @@ class ModelPickerScreen(Dialog):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns(*MODEL_COLUMNS)
         table.loading = True
         self.load_models()
 
@@ -62,8 +63,7 @@ class ModelPickerScreen(Dialog):
         self.entries = entries
         table = self.query_one(DataTable)
         table.loading = False
-        for e, row in zip(entries, model_rows(entries)):
-            table.add_row(*row, key=e.ref)
+        fill_model_table(table, entries, _TABLE_ROWS)
         for i, e in enumerate(entries):
             if e.ref == self.current:
                 table.move_cursor(row=i)

@@ -42,7 +42,7 @@ class RequestState:
     events) and cancels it with `cancel`."""
 
     def __init__(self, prompt: list[int], options: GenerateOptions, sink: EventSink, *,
-                 logprobs: int | None = None, cancel: threading.Event | None = None):
+                 logprobs: int | None = None, cancel: threading.Event | None = None, sampler: Sampler | None = None):
         self.prompt = prompt
         self.options = options
         self.sink = sink
@@ -50,9 +50,10 @@ class RequestState:
         self.cancel = cancel or threading.Event()
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.t_submit = time.perf_counter()
-        # Set when a slot takes the request (Scheduler._admit).
+        # Its sampler, made when the request was checked where it has a grammar (compiled once,
+        # outside the scheduler thread), else when a slot takes it; the slot's sequence.
+        self.sampler: Sampler | None = sampler
         self.seq: KVSequence | None = None
-        self.sampler: Sampler | None = None
         self.speculation: RequestSpeculation | None = None
         self.fed = 0  # prompt tokens in the sequence's cache
         self.restore: np.ndarray | None = None  # logits row to put back after re-decoding a cached prompt

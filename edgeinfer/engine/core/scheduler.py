@@ -33,7 +33,9 @@ With one KV cache for every slot the rows share the chunk's ubatch, and decoding
 every step.
 
 Faults stay where they happen: an exception while verifying one request ends that request with an
-error (its reader gets it); a failed decode ends the requests that had rows in it.
+error (its reader gets it); a failed decode ends the requests that had rows in it; a drafter that
+fails (a draft model's or a head's decode, a policy) switches off the speculation of the requests
+it drafts for, which go on plain (drafting.py: the drafting part of a step).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from .sequence import KVSequence, common_prefix
 from ..speculation.draft_model import DraftContext
 from ..speculation.request_speculation import Proposal, RequestSpeculation
 from ..speculation.heads import HeadContext
-from ..speculation.policy import CostModel, plan_drafts
+from ..speculation.policy import CostModel
+from . import drafting
 
 __all__ = ["Scheduler", "Slot", "StepCounters"]
 
@@ -187,7 +190,7 @@ class Scheduler:
             decoding = []
         else:
             self._waited = 0.0
-        proposals = self._plan(decoding, chunks)
+        proposals = drafting.plan(self, decoding, chunks)
 
         # Rows in sequence order: with a stream per slot, consecutive ids share a ubatch.
         rows = DecodeRows()
@@ -228,8 +231,7 @@ class Scheduler:
             for r in decoding + [r for r, _ in chunks]:
                 self._fail(r, e)
             return True
-        for head in self.heads() if self.heads is not None else ():
-            head.after_decode(rows)  # the hidden states of every row, prompt chunks included
+        drafting.heads_after_decode(self, rows)  # the hidden states of every row, prompt chunks included
         self.counters.steps += 1
         self.counters.rows += len(rows)
 
@@ -258,7 +260,7 @@ class Scheduler:
                 if d:  # what the step would have cost without this draft
                     mine = r.seq.seq_id  # type: ignore[union-attr]
                     plain_s = self.step_cost([(q, n - len(d) if q == mine else n) for q, n in shape])
-                r.speculation.observe(p if d else None, len(d), n_ok, step_s, plain_s)
+                drafting.observe(r, p if d else None, len(d), n_ok, step_s, plain_s)
         for r in [r for r in self.active if r.finish is not None]:
             self._finish(r, r.finish)
         for r in self.active:
@@ -337,79 +339,6 @@ class Scheduler:
             r.prompt_done(self.runtime, last_row)
 
     # -- decoding --------------------------------------------------------------------------------
-    def _plan(self, decoding: list[RequestState], chunks: list[tuple[RequestState, int]]) -> list[Proposal | None]:
-        """Each decoding request's proposal, sized for the whole batch (see plan_drafts), and what
-        a draft model then drafted for it."""
-        base_rows = len(decoding) + sum(n for _, n in chunks)
-        out: list[Proposal | None] = [None] * len(decoding)
-        specs = [(i, r.speculation) for i, r in enumerate(decoding) if r.speculation is not None]
-        # A plain step now and then re-measures t1 (the unit of every cost): all requests take it.
-        if not specs or any([spec.refresh_due() for _, spec in specs]):
-            return out
-        for i, spec in specs:
-            r = decoding[i]
-            assert r.seq is not None
-            room = min(self.slot_ctx - len(r.seq) - 1, r.options.max_tokens - len(r.generated) - 1,
-                       self.draft_max_rows)
-            if self.runtime.facts.recurrent:  # a hybrid target rolls back at most n_rs_seq positions
-                room = min(room, self.runtime.n_rs_seq)
-            out[i] = spec.propose(r.history, room, r.seq.seq_id) if room > 0 else None
-        planned_at = [i for i, p in enumerate(out) if p is not None and not p.fixed]
-        planned = [out[i] for i in planned_at]
-        base = base_rows + sum(p.limit for p in out if p is not None and p.fixed)
-        if planned:
-            costs = self.costs
-            models = [j for j, p in enumerate(planned) if p.kind in ("model", "head")]
-
-            groups: dict[int, list[int]] = {}  # the proposals of each drafter (draft model, head)
-            for m in models:
-                groups.setdefault(id(planned[m].context), []).append(m)
-            t1 = costs.time(1)
-
-            def drafting(counts: list[int]) -> float:  # each drafter's decodes, one per position drafted
-                total = 0.0
-                for mine in groups.values():
-                    if len(mine) == 1:  # one request: its k decodes of one row (plan_drafts asks ~k times a step)
-                        total += counts[mine[0]] * planned[mine[0]].draft_cost * t1
-                        continue
-                    shape, j = planned[mine[0]].context.costs.shape, 1  # type: ignore[union-attr]
-                    while at := [m for m in mine if counts[m] >= j]:
-                        total += max(planned[m].draft_cost for m in at) * t1 * shape(len(at))
-                        j += 1
-                return total
-
-            seq_of = [decoding[i].seq.seq_id for i in planned_at]  # type: ignore[union-attr]
-            base_shape = {r.seq.seq_id: 1 + (p.limit if p is not None and p.fixed else 0)  # type: ignore[union-attr]
-                          for r, p in zip(decoding, out)}
-            base_shape.update({r.seq.seq_id: n for r, n in chunks})  # type: ignore[union-attr]
-
-            def ubatches(counts: list[int]) -> float:  # what the extra ubatches of a stream per slot cost
-                shape = dict(base_shape)
-                for seq_id, c in zip(seq_of, counts):
-                    shape[seq_id] += c
-                return self.step_cost(sorted(shape.items())) - costs.time(sum(shape.values()))
-
-            def extra(counts: list[int]) -> float:
-                return (drafting(counts) if models else 0.0) + (ubatches(counts) if self.split else 0.0)
-
-            counts = plan_drafts([p.gains for p in planned], base, lambda b: costs.time(b) * costs.optimism(b),
-                                 self.runtime.n_batch, self.margin, extra if models or self.split else None)
-            for p, k in zip(planned, counts):
-                p.k = k
-        for p in out:
-            if p is not None:
-                p.k = p.policy.settle(p.k, p.limit, p.gains, p.draft_cost)
-        jobs = [p for p in out if p is not None and p.job is not None and p.k > 0]
-        for p in jobs:
-            p.job.k = p.k  # type: ignore[union-attr]
-        for context in {id(p.context): p.context for p in jobs}.values():  # a draft model, a head: each batched
-            context.draft([p.job for p in jobs if p.context is context])  # type: ignore[union-attr,misc]
-        for p in out:
-            if p is not None and p.job is not None:
-                p.tokens = p.job.tokens
-                p.k = len(p.tokens)
-        return out
-
     def _verify(self, r: RequestState, first: int, drafts: list[int], p: Proposal | None) -> int:
         qs = p.job.qs[: len(drafts)] if p is not None and p.job is not None and r.sampled_drafts and drafts else None
         n_ok = r.verify(self.runtime, first, drafts, qs)
@@ -435,6 +364,7 @@ class Scheduler:
             r.end("cancelled")
             self._count("cancelled")
             r.flush()
+            r.release()
         free = [s for s in self.slots if s.request is None]
         while self.waiting and free:
             r = self.waiting.pop(0)
@@ -507,7 +437,8 @@ class Scheduler:
         r.t_admit = time.perf_counter()
         r.stats.queue_s = r.t_admit - r.t_submit
         self.active.append(r)
-        r.sampler = Sampler.for_request(rt, r.options)
+        if r.sampler is None:  # (a request with a grammar brings the one compiled when it was checked)
+            r.sampler = Sampler.for_request(rt, r.options)
         spec = r.options.speculation
         if spec.method != "off" and (not rt.facts.recurrent or rt.n_rs_seq > 0):
             stats = SpeculationStats()

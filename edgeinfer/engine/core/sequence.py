@@ -72,7 +72,9 @@ class KVSequence:
     def drop_suffix(self, n_keep: int) -> None:
         """Drop a rejected draft suffix. A recurrent/hybrid model's memory rolls back only right
         after the decode that wrote the suffix, at most n_rs_seq positions (its snapshots): refused
-        beyond that, and where llama.cpp refuses."""
+        beyond that, and where llama.cpp refuses. Never the whole of that decode: its snapshots are
+        of the states after its rows, not the one before it (llama.cpp does not refuse that: the
+        state would be wrong), so a verification keeps at least the row it decoded first."""
         n_drop = len(self.cached) - n_keep
         if n_drop <= 0 or self.can_drop_suffix:
             self.truncate(n_keep)

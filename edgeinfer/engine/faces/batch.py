@@ -29,10 +29,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ...cancel import CancelToken, raise_if_cancelled
 from ...errors import ContextLengthError, EdgeInferError, EngineBusyError, EngineClosedError, InvalidOptionError
 from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
@@ -46,11 +47,12 @@ from ..llama.flash_choice import with_measured_flash_attn
 from ..llama.runtime import LlamaRuntime
 from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler
 from ..core.sequence import KVSequence
 from ..state.session import RestoreResult, SessionInfo, conversation_tokens, face_identity
 from ..chat.tools import ToolGeneration
-from ..speculation.calibration import IdleCalibration
+from ..speculation.calibration import IdleCalibration, idle_calibration_default
 from ..speculation.head_models import mtp_layers
 from ..speculation.policy import CostModel, plan_drafts
 
@@ -90,7 +92,8 @@ class BatchOptions:
     # Seconds of one decode by rows, e.g. `cost_curve()` of an earlier engine on this machine;
     # None: the store's measurement (or the size prior), refined while idle and from every step.
     cost_curve: Mapping[int, float] | None = None
-    calibrate_when_idle: bool = True  # measure the cost curve while no request runs
+    # Measure the cost curve while no request runs (default: yes, unless $EDGEINFER_IDLE_CALIBRATION=0).
+    calibrate_when_idle: bool = field(default_factory=idle_calibration_default)
 
     def validate(self) -> BatchOptions:
         if not isinstance(self.kv_unified, bool):
@@ -161,6 +164,7 @@ class BatchEngine(ModelFace):
         store: Store | None = None,
         speculation: SpeculationOptions | str | None = None,
         progress: ProgressCallback | None = None,
+        cancel: CancelToken = None,
     ):
         self.path = Path(path)
         self.info = info
@@ -208,8 +212,9 @@ class BatchEngine(ModelFace):
         self._closed = False
         self._dead: BaseException | None = None
         try:
+            raise_if_cancelled(cancel, f"loading {self.name}")
             if speculation is not None:
-                self.prepare_speculation(speculation, progress=progress)
+                self.prepare_speculation(speculation, progress=progress, cancel=cancel)
         except BaseException:
             self._drafts.close()
             rt.close()
@@ -272,13 +277,15 @@ class BatchEngine(ModelFace):
 
     # -- speculation -----------------------------------------------------------------------------
     def prepare_speculation(self, speculation: SpeculationOptions | str, *,
-                            progress: ProgressCallback | None = None) -> None:
+                            progress: ProgressCallback | None = None, cancel: CancelToken = None) -> None:
         """Open the draft model `speculation` needs (a self-draft is made by the quantizer on first
-        use) and make it the engine's method: requests may then use it, or off, or lookup."""
+        use) and make it the engine's method: requests may then use it, or off, or lookup.
+        `cancel` (an Event or a callable) stops a self-draft's quantization with `Cancelled`."""
         self._check_open()
         spec = SpeculationOptions.parse(speculation) if isinstance(speculation, str) else speculation.validate()
         # A head, or a hybrid model's rollback snapshots, change the context: only before the thread runs.
-        self._drafts.prepare(spec, progress, exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
+        self._drafts.prepare(spec, progress, cancel,
+                             exclusive=None if hasattr(self, "_thread") else contextlib.nullcontext)
         self.speculation = spec
 
     def _check_speculation(self, spec: SpeculationOptions) -> None:
@@ -303,10 +310,15 @@ class BatchEngine(ModelFace):
         return self._with_tools(messages, options, tools, tool_choice, parallel_tool_calls,
                                 lambda tokens, opts: self.submit(tokens, opts, **kw))
 
-    def check_request(self, tokens: Sequence[int], options: GenerateOptions | None = None) -> GenerateOptions:
-        options = super().check_request(tokens, options)
-        self._check_speculation(options.speculation)
-        return options
+    def _checked(self, tokens: Sequence[int], options: GenerateOptions | None) -> tuple[GenerateOptions, Sampler | None]:
+        options, sampler = super()._checked(tokens, options)
+        try:
+            self._check_speculation(options.speculation)
+        except BaseException:
+            if sampler is not None:
+                sampler.close()
+            raise
+        return options, sampler
 
     def submit(
         self,
@@ -323,14 +335,16 @@ class BatchEngine(ModelFace):
         time events arrive; it must not block."""
         self._check_open()
         tokens = self._token_ids(tokens)
-        options = self.check_request(tokens, options)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= 20):
             raise InvalidOptionError(f"logprobs must be an integer in [0, 20], got {logprobs!r}")
+        options, sampler = self._checked(tokens, options)
         ch = Channel(notify, self._wake, self._thread.is_alive, self.batch_options.max_backlog)
-        req = RequestState(tokens, options, ch.push, logprobs=logprobs)
+        req = RequestState(tokens, options, ch.push, logprobs=logprobs, sampler=sampler)
         req.backlog = ch.backlog
         with self._cond:
+            if self._closing or self._closed or self._dead is not None:
+                req.release()
             if self._closing or self._closed:
                 raise EngineClosedError("this engine is shutting down")
             if self._dead is not None:
@@ -350,27 +364,31 @@ class BatchEngine(ModelFace):
             self._cond.notify_all()
 
     def metrics(self) -> BatchMetrics:
+        """Counters and state now. The core steps on its own thread meanwhile, so every shared
+        reference is read once and used as read (a slot's request checked and then read again
+        could be one the scheduler has just ended: /metrics answered 500 under load)."""
         core = self._core
         with self._cond:
-            slots = tuple(
-                SlotMetrics(s.index, s.request is not None, len(s.seq),
-                            s.request.decode_tok_s() if s.request is not None else s.decode_tok_s)
-                for s in core.slots
-            )
+            slots = []
+            for s in core.slots:
+                r = s.request
+                slots.append(SlotMetrics(s.index, r is not None, len(s.seq),
+                                         r.decode_tok_s() if r is not None else s.decode_tok_s))
+            active = list(core.active)
             c = core.counters
             return BatchMetrics(
                 requests_submitted=self._submitted,
                 requests_finished=dict(core.finished),
                 prompt_tokens=c.prompt_tokens,
                 cached_prompt_tokens=c.cached_tokens,
-                generated_tokens=c.generated + sum(len(r.generated) for r in core.active),
+                generated_tokens=c.generated + sum(len(r.generated) for r in active),
                 queue_depth=len(self._inbox) + len(core.waiting),
-                active=len(core.active),
+                active=len(active),
                 steps=c.steps,
                 rows=c.rows,
                 drafted=c.drafted,
                 accepted=c.accepted,
-                slots=slots,
+                slots=tuple(slots),
                 calibrating=self._calibration is not None and self._calibration.pending(),
             )
 
@@ -544,3 +562,4 @@ class BatchEngine(ModelFace):
         for r in requests:
             if not r.finished:
                 r.fail(failure if not isinstance(error, EdgeInferError) else error)
+            r.release()

@@ -108,8 +108,15 @@ class ModelFace:
         another was assigned, e.g. `engine.chat_template = "chatml"` when the model's is unusable."""
         if self._chosen_template is not None:
             return self._chosen_template
+        return self.info.metadata["tokenizer.chat_template"] if self.has_chat_template else CHATML_TEMPLATE
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template. A base model does not: `chat` then renders
+        ChatML, whose markers such a model never learned (it may print them), so front ends say so
+        and complete the text raw (`edgeinfer run`) unless ChatML was asked for."""
         tpl = self.info.metadata.get("tokenizer.chat_template")
-        return tpl if isinstance(tpl, str) and tpl.strip() else CHATML_TEMPLATE
+        return self._chosen_template is not None or (isinstance(tpl, str) and bool(tpl.strip()))
 
     @chat_template.setter
     def chat_template(self, template: str) -> None:
@@ -241,6 +248,15 @@ class ModelFace:
 
     def check_request(self, tokens: Sequence[int], options: GenerateOptions | None = None) -> GenerateOptions:
         """Validate a request (prompt token ids, options) without running it; returns the options."""
+        options, sampler = self._checked(tokens, options)
+        if sampler is not None:
+            sampler.close()
+        return options
+
+    def _checked(self, tokens: Sequence[int], options: GenerateOptions | None) -> tuple[GenerateOptions, Sampler | None]:
+        """check_request, and the request's sampler where it has a grammar: llama.cpp compiles the
+        grammar here, in the submitting thread, once; the request samples with this sampler (the
+        scheduler thread, which steps every stream, never compiles one). The caller owns it."""
         self._check_open()
         if options is not None and not isinstance(options, GenerateOptions):
             raise InvalidOptionError(f"options must be GenerateOptions, got {type(options).__name__}")
@@ -257,15 +273,18 @@ class ModelFace:
         if options.sampling.top_k > self.n_vocab:
             raise InvalidOptionError(f"top_k must be at most the vocabulary size ({self.n_vocab}), "
                                      f"got {options.sampling.top_k}")
-        if options.resolved_grammar() is not None:
-            sampler = Sampler.for_request(self._runtime, options)  # (the vocabulary only: any thread)
-            try:
-                if not sampler.allows_a_start():
-                    raise GrammarError("the grammar allows no token of this model's vocabulary to start the "
-                                       "output: it can never be satisfied")
-            finally:
-                sampler.close()
-        return options
+        grammar = options.resolved_grammar()
+        if grammar is None:
+            return options, None
+        sampler = Sampler(self._runtime, options.sampling, grammar)  # (the vocabulary only: any thread)
+        try:
+            if not sampler.allows_a_start():
+                raise GrammarError("the grammar allows no token of this model's vocabulary to start the "
+                                   "output: it can never be satisfied")
+        except BaseException:
+            sampler.close()
+            raise
+        return options, sampler
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """A raw prompt: text is tokenized, token ids are checked (ints in the vocabulary)."""

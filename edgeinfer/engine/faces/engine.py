@@ -212,9 +212,9 @@ class Engine(ModelFace):
         self._speculation.prepare(_speculation_options(speculation), progress, cancel)
 
     def _start(self, tokens: list[int], options: GenerateOptions | None) -> Generation:
-        options = self.check_request(tokens, options)
+        options, sampler = self._checked(tokens, options)
         speculation = None if options.speculation.method == "off" else self._speculation
-        return Generation(self._slot, self._scheduler, tokens, options, speculation)
+        return Generation(self._slot, self._scheduler, tokens, options, speculation, sampler)
 
     # -- the cost curve --------------------------------------------------------------------------
     def measure_decode_costs(self, tokens: Sequence[int], *, depths: Sequence[int] = (64, 1024), reps: int = 3,

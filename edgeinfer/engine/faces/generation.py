@@ -20,6 +20,7 @@ from ...errors import Cancelled, EngineClosedError
 from ..core.events import DoneEvent, Event, SpeculationProgress
 from ..core.options import GenerateOptions, SpeculationOptions
 from ..core.request import RequestState
+from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler
 from .exclusive import RequestSlot
 
@@ -44,7 +45,7 @@ class _Request:
     the handle, so dropping the handle finalizes the loop (and frees the engine) at once."""
 
     def __init__(self, prompt: list[int], options: GenerateOptions, slot: RequestSlot, core: Scheduler,
-                 speculation: SpeculationSource | None):
+                 speculation: SpeculationSource | None, sampler: Sampler | None = None):
         self.prompt = prompt
         self.options = options
         self.slot = slot
@@ -53,7 +54,7 @@ class _Request:
         self.cancel = threading.Event()
         self.events: list[Event] = []
         self.error: BaseException | None = None
-        self.state = RequestState(prompt, options, self._collect, cancel=self.cancel)
+        self.state = RequestState(prompt, options, self._collect, cancel=self.cancel, sampler=sampler)
         self.phase: GenerationState = "new"
         self.handle: weakref.ref[Generation] | None = None
 
@@ -79,8 +80,9 @@ class Generation(Iterator[Event]):
     """
 
     def __init__(self, slot: RequestSlot, core: Scheduler, prompt: list[int], options: GenerateOptions,
-                 speculation: SpeculationSource | None = None):
-        self._req = _Request(prompt, options, slot, core, speculation)
+                 speculation: SpeculationSource | None = None, sampler: Sampler | None = None):
+        """`sampler`: the request's, made when it was checked (where it has a grammar); it owns it."""
+        self._req = _Request(prompt, options, slot, core, speculation, sampler)
         self._req.handle = weakref.ref(self)
         self._it = _run(self._req)
 
@@ -155,6 +157,7 @@ def _run(req: _Request) -> Iterator[Event]:
         prepared = yield from _prepare(req)
         if not prepared:
             req.phase = "done"
+            req.state.release()
             yield req.state.end("cancelled")
             return
     req.phase = "waiting"
@@ -162,6 +165,7 @@ def _run(req: _Request) -> Iterator[Event]:
     req.state.t_submit = time.perf_counter()
     if not req.slot.acquire(req, req.handle, cancelled=req.cancel.is_set):
         req.phase = "done"
+        req.state.release()
         yield req.state.end("cancelled")
         return
     core, state = req.core, req.state

@@ -205,9 +205,10 @@ class DraftModels:
             for m in store.list():
                 if m.name == t.manifest.name and m.tag == quant.lower() and Path(m.file).exists():
                     return Path(m.file)
-            for m in store.list():
-                if m.derived_from in (t.manifest.ref, str(t.path)) and (m.quant or "").upper() == quant:
-                    return Path(m.file)
+        sources = (t.manifest.ref, str(t.path)) if t.manifest is not None else (str(t.path),)
+        for m in store.list():  # (a target given by path: its copy made by an earlier engine)
+            if m.derived_from in sources and (m.quant or "").upper() == quant and Path(m.file).exists():
+                return Path(m.file)
         from ...quantize import QuantizeProgress, quantize_model
 
         what = f"making the {quant} self-draft of {t.name}"

@@ -28,12 +28,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...errors import InvalidModelError, InvalidOptionError
 from ...kv_types import KV_CACHE_TYPES
-from ...llama_backend import backend
-from .runtime import FLASH_ATTN_TYPE, LlamaRuntime, set_fields
+from .context import DecodeRows, LlamaContext, context_params
+from .runtime import LlamaRuntime
 from ..core.options import LoadOptions
 
 if TYPE_CHECKING:
@@ -177,30 +177,16 @@ class _Scratch:
     """A one-sequence context over a runtime's weights with flash attention forced on or off."""
 
     def __init__(self, rt: LlamaRuntime, flash: bool, n_ctx: int):
-        self._ll = ll = backend()
-        cparams = ll.llama_context_default_params()
-        kv_k, kv_v = rt.options.kv_types
         self.n_batch = min(rt.n_batch, n_ctx)
-        set_fields(cparams, n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=self.n_batch, n_seq_max=1,
-                   n_threads=rt.threads, n_threads_batch=rt.threads, type_k=KV_CACHE_TYPES[kv_k].ggml_type,
-                   type_v=KV_CACHE_TYPES[kv_v].ggml_type, flash_attn_type=FLASH_ATTN_TYPE[flash], no_perf=True)
-        self.batch: Any = None
-        self.ctx = ll.llama_init_from_model(rt.model, cparams)
-        if not self.ctx:
-            raise InvalidModelError(f"{rt.path.name}: llama.cpp could not create a scratch context "
-                                    f"(flash attention {'on' if flash else 'off'})")
-        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        cparams = context_params(replace(rt.options, flash_attn=flash), n_ctx=n_ctx, n_batch=self.n_batch,
+                                 threads=rt.threads)
+        self.context = LlamaContext(rt.model, cparams, f"{rt.path.name}: llama.cpp could not create a scratch "
+                                                       f"context (flash attention {'on' if flash else 'off'})")
 
     def _decode(self, tokens: Sequence[int], pos0: int) -> None:
-        b = self.batch
-        for i, tok in enumerate(tokens):
-            b.token[i] = tok
-            b.pos[i] = pos0 + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i == len(tokens) - 1
-        b.n_tokens = len(tokens)
-        rc = self._ll.llama_decode(self.ctx, b)
+        rows = DecodeRows()
+        rows.extend(tokens, pos0, 0, len(tokens) - 1)
+        rc = self.context.decode(rows)
         if rc != 0:
             raise InvalidModelError(f"llama_decode failed while measuring flash attention (rc={rc})")
 
@@ -216,9 +202,4 @@ class _Scratch:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.batch is not None:
-            self._ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            self._ll.llama_free(self.ctx)
-            self.ctx = None
+        self.context.close()

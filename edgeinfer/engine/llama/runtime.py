@@ -19,55 +19,18 @@ import numpy as np
 
 from ...cpu import ThreadGovernor
 from ...errors import ContextLengthError, EngineClosedError, InvalidModelError, InvalidOptionError
-from ...kv_types import KV_CACHE_TYPES, flash_attn_for
 from ...llama_backend import backend, log_capture
 from ..core.options import LoadOptions
+from .context import FLASH_ATTN_TYPE, DecodeRows, LlamaContext, context_params, derived_params, require_fields, \
+    set_fields
 
-# backend and log_capture live in edgeinfer.llama_backend; re-exported for existing callers.
+# backend and log_capture live in edgeinfer.llama_backend, the context and its rows in context.py;
+# re-exported for existing callers.
 __all__ = ["LlamaRuntime", "DecodeRows", "DecodeAborted", "log_capture", "backend", "set_fields", "require_fields", "FLASH_ATTN_TYPE"]
-
-FLASH_ATTN_TYPE = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto / disabled / enabled
 
 
 class DecodeAborted(Exception):
     """llama_decode returned early because the abort callback asked it to (a cancel)."""
-
-
-class DecodeRows:
-    """The rows of one llama_decode: token, position, sequence, whether logits are wanted."""
-
-    __slots__ = ("tokens", "positions", "seqs", "logits")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.positions: list[int] = []
-        self.seqs: list[int] = []
-        self.logits: list[bool] = []
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
-        """Append a row; returns its index (the row to read logits from)."""
-        self.tokens.append(token)
-        self.positions.append(pos)
-        self.seqs.append(seq)
-        self.logits.append(logits)
-        return len(self.tokens) - 1
-
-    def extend(self, tokens: Sequence[int], start: int, seq: int, logits_from: int | None) -> None:
-        """Rows for `tokens` at positions start.. of `seq`; logits from index `logits_from` of them
-        on (None: none)."""
-        for i, t in enumerate(tokens):
-            self.add(t, start + i, seq, logits_from is not None and i >= logits_from)
-
-    def starts(self) -> dict[int, int]:
-        """The first position each sequence of the batch writes."""
-        out: dict[int, int] = {}
-        for seq, pos in zip(self.seqs, self.positions):
-            if pos < out.get(seq, pos + 1):
-                out[seq] = pos
-        return out
 
 
 def ubatch_rows(shape: Sequence[tuple[int, int]], n_ubatch: int, unified: bool) -> list[int]:
@@ -92,35 +55,6 @@ def ubatch_rows(shape: Sequence[tuple[int, int]], n_ubatch: int, unified: bool) 
             e[1] -= each
         left = [e for e in left if e[1] > 0]
     return out
-
-
-# -- ctypes structs ----------------------------------------------------------------------------------
-
-
-def _declared_fields(struct_type: type) -> set[str]:
-    names: set[str] = set()
-    for klass in struct_type.__mro__:
-        names.update(f[0] for f in getattr(klass, "_fields_", ()))
-    return names
-
-
-def require_fields(struct_type: type, *names: str) -> None:
-    """Fail loudly when a ctypes struct lacks fields we use (a binding of another llama.cpp)."""
-    missing = sorted(set(names) - _declared_fields(struct_type))
-    if missing:
-        raise AttributeError(
-            f"{struct_type.__name__} declares no field {', '.join(map(repr, missing))}: "
-            "this llama-cpp-python is not the version edgeinfer was built against"
-        )
-
-
-def set_fields(struct: Any, **values: Any) -> Any:
-    """Assign struct fields by name, refusing names the struct does not declare: plain ctypes
-    accepts any attribute and silently ignores it (0.3.36 replaced `use_mmap` by `load_mode`)."""
-    require_fields(type(struct), *values)
-    for name, value in values.items():
-        setattr(struct, name, value)
-    return struct
 
 
 def _load_error(fragments: list[str]) -> str:
@@ -165,7 +99,8 @@ class LlamaRuntime:
         self.options = options
         self.n_seq_max = n_seq_max
         self.kv_unified = kv_unified
-        self.model = self.ctx = self.batch = None
+        self.model: Any = None
+        self._context: LlamaContext | None = None
         self.epoch = 0  # bumped when the context is made again (enable_rollback): every cache is empty then
         # Unpinned threads follow the cores that other processes leave free (edgeinfer.cpu).
         self._governor = ThreadGovernor(self._set_threads) if options.pinned_threads is None else None
@@ -202,27 +137,10 @@ class LlamaRuntime:
                     f"context {n_ctx} is larger than the {self.facts.n_ctx_train} tokens this model was trained for"
                 )
             self.n_batch = min(options.n_batch, n_ctx)
-            cparams = ll.llama_context_default_params()
             self.threads = self._governor.settle() if self._governor is not None else options.threads
-            kv_k, kv_v = options.kv_types
-            flash = flash_attn_for(kv_k, kv_v, options.flash_attn)  # on for a quantized V cache
-            set_fields(
-                cparams,
-                n_ctx=n_ctx,
-                n_batch=self.n_batch,
-                n_ubatch=self.n_batch,
-                n_seq_max=n_seq_max,
-                kv_unified=self.kv_unified,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                type_k=KV_CACHE_TYPES[kv_k].ggml_type,
-                type_v=KV_CACHE_TYPES[kv_v].ggml_type,
-                flash_attn_type=FLASH_ATTN_TYPE[flash],
-                no_perf=True,
-            )
-            if rollback and self.facts.recurrent:
-                set_fields(cparams, n_rs_seq=rollback)
-            self.cparams = cparams
+            cparams = context_params(options, n_ctx=n_ctx, n_batch=self.n_batch, threads=self.threads,
+                                     n_seq_max=n_seq_max, kv_unified=self.kv_unified,
+                                     **({"n_rs_seq": rollback} if rollback and self.facts.recurrent else {}))
             # Cancellation reaches into a long llama_decode (a big prefill) through this flag; the
             # callback is installed only around prefills (see `abortable`), since ggml calls it once
             # per graph node and a Python call per node would tax every decode step.
@@ -230,14 +148,11 @@ class LlamaRuntime:
             self._interrupted = False
             self._abort_cb = ll.ggml_abort_callback(self._should_abort)
             self._no_abort_cb = ll.ggml_abort_callback()
-            self.ctx = ll.llama_init_from_model(self.model, cparams)
-            if not self.ctx:
-                raise InvalidModelError(f"{path.name}: llama.cpp could not create a context (n_ctx={n_ctx}, kv={kv_k}/{kv_v})")
+            kv_k, kv_v = options.kv_types
+            self._context = LlamaContext(self.model, cparams, f"{path.name}: llama.cpp could not create a context "
+                                                              f"(n_ctx={n_ctx}, kv={kv_k}/{kv_v})")
             self.n_ctx = ll.llama_n_ctx(self.ctx)
-            self.memory = ll.llama_get_memory(self.ctx)
             self.n_rs_seq = int(ll.llama_n_rs_seq(self.ctx)) if self.facts.recurrent else 0
-            require_fields(ll.llama_batch, "n_tokens", "token", "pos", "n_seq_id", "seq_id", "logits")
-            self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
             self._piece_buf = ctypes.create_string_buffer(256)
         except BaseException:
             self.close()
@@ -247,6 +162,20 @@ class LlamaRuntime:
     @property
     def closed(self) -> bool:
         return self.model is None
+
+    @property
+    def ctx(self) -> Any:
+        """The llama.cpp context (a pointer; None once closed)."""
+        return self._context.ctx if self._context is not None else None
+
+    @property
+    def memory(self) -> Any:
+        return self._context.memory if self._context is not None else None
+
+    @property
+    def cparams(self) -> Any:
+        """The context's parameters (a drafting head's context is made from them)."""
+        return self._context.cparams if self._context is not None else None
 
     def _set_threads(self, n: int) -> None:
         """Threads for one-token steps and for batches (prefill, verification) alike."""
@@ -268,15 +197,11 @@ class LlamaRuntime:
         return t
 
     def close(self) -> None:
-        ll = self._ll
-        if getattr(self, "batch", None) is not None:
-            ll.llama_batch_free(self.batch)
-            self.batch = None
-        if getattr(self, "ctx", None):
-            ll.llama_free(self.ctx)
-            self.ctx = None
+        if getattr(self, "_context", None) is not None:
+            self._context.close()  # type: ignore[union-attr]
+            self._context = None
         if getattr(self, "model", None):
-            ll.llama_model_free(self.model)
+            self._ll.llama_model_free(self.model)
             self.model = None
 
     def enable_rollback(self, n: int) -> bool:
@@ -288,16 +213,12 @@ class LlamaRuntime:
         self._check_open()
         if not self.facts.recurrent or self.n_rs_seq >= n:
             return not self.facts.recurrent or self.n_rs_seq > 0
-        ll = self._ll
-        cparams = type(self.cparams).from_buffer_copy(self.cparams)
-        set_fields(cparams, n_rs_seq=n, n_threads=self.threads, n_threads_batch=self.threads)
-        ctx = ll.llama_init_from_model(self.model, cparams)
-        if not ctx:
-            raise InvalidModelError(f"{self.path.name}: llama.cpp could not make a context with {n} rollback snapshots")
-        ll.llama_free(self.ctx)
-        self.ctx, self.cparams = ctx, cparams
-        self.memory = ll.llama_get_memory(ctx)
-        self.n_rs_seq = int(ll.llama_n_rs_seq(ctx))
+        cparams = derived_params(self.cparams, n_rs_seq=n, n_threads=self.threads, n_threads_batch=self.threads)
+        context = LlamaContext(self.model, cparams,
+                               f"{self.path.name}: llama.cpp could not make a context with {n} rollback snapshots")
+        self._context.close()  # type: ignore[union-attr]
+        self._context = context
+        self.n_rs_seq = int(self._ll.llama_n_rs_seq(context.ctx))
         self.epoch += 1
         return self.n_rs_seq > 0
 
@@ -397,36 +318,33 @@ class LlamaRuntime:
     def decode_batch(self, rows: DecodeRows) -> None:
         """One llama_decode of `rows` (len <= n_batch), which may belong to different sequences.
 
-        The caller tracks what each sequence holds. On an abort (the abort callback, inside
-        `abortable()`) every position the batch wrote is removed again and DecodeAborted (or the
-        KeyboardInterrupt that caused it) is raised; rc 1 (no room) is a ContextLengthError."""
+        The caller tracks what each sequence holds. llama_decode's code says what happened,
+        never the abort flag alone (it may be set for a decode that failed on its own): 2, an
+        abort (the abort callback, inside `abortable()`): every position the batch wrote is
+        removed again and DecodeAborted (or the KeyboardInterrupt that caused it) is raised; 1 (no
+        room) is a ContextLengthError; -1, a batch it refused (nothing written), and below -1, a
+        failure (whatever it wrote is removed), are InvalidModelError."""
         self._check_open()
         n = len(rows)
-        if n == 0 or n > self.n_batch:
-            raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
-        b = self.batch
-        for i in range(n):
-            b.token[i] = rows.tokens[i]
-            b.pos[i] = rows.positions[i]
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = rows.seqs[i]
-            b.logits[i] = rows.logits[i]
-        b.n_tokens = n
         if self._governor is not None:
             self._governor.check()
-        rc = self._ll.llama_decode(self.ctx, b)
+        assert self._context is not None
+        rc = self._context.decode(rows)
         if rc == 0:
             return
-        if rc == 2 or self.abort_flag.is_set():
-            # An aborted decode may have written part of the batch: forget what we cannot trust.
+        if rc == 2 or rc < -1:
+            # An aborted or failed decode may have written part of the batch: forget what we cannot trust.
             for seq, p0 in rows.starts().items():
                 self._ll.llama_memory_seq_rm(self.memory, seq, p0, -1)
+        if rc == 2:
             if self._interrupted:
                 self._interrupted = False
                 raise KeyboardInterrupt
             raise DecodeAborted()
         if rc == 1:
             raise ContextLengthError(f"no room in the KV cache for {n} more tokens (context {self.n_ctx})")
+        if rc == -1:
+            raise InvalidModelError(f"llama_decode refused the batch of {n} rows as invalid (code -1)")
         raise InvalidModelError(f"llama_decode failed with code {rc}")
 
     def logits_row(self, i: int) -> np.ndarray:

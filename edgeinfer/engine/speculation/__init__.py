@@ -9,13 +9,13 @@ a step together, verifies them in one `llama_decode` and keeps those the target 
     draft_model.py  a second model drafting in its own context, one sequence per slot
     heads.py        drafting heads that read the target's hidden states (MTP layer, EAGLE-3)
     head_models.py  opening a head for a target, after the checks llama.cpp would abort on
-    calibration.py  the target's measured decode cost by batch size, kept in the store
+    calibration.py  the target's decode cost by batch size, measured one way (bench, idle servers)
     request_speculation.py  one request's speculation: its proposals and what it learns
 """
 
 from __future__ import annotations
 
-from .calibration import calibrate_costs, fit_costs, measure_costs
+from .calibration import CurveMeasurement, fit_costs, measure_costs
 from .draft_model import DraftContext, ModelDrafter, check_draft_compatible, relative_draft_cost
 from .request_speculation import Proposal, RequestSpeculation
 from .heads import Eagle3Head, HeadContext, HeadDrafter, MtpHead
@@ -39,7 +39,7 @@ __all__ = [
     "RequestSpeculation",
     "check_draft_compatible",
     "relative_draft_cost",
-    "calibrate_costs",
+    "CurveMeasurement",
     "measure_costs",
     "fit_costs",
     "break_even_draft_cost",

@@ -50,30 +50,40 @@ def check_draft_compatible(target: LlamaRuntime, draft: LlamaRuntime, draft_name
 _relative_step_cache: weakref.WeakKeyDictionary[LlamaRuntime, float] = weakref.WeakKeyDictionary()
 
 
-def relative_draft_cost(target: KVSequence, draft: KVSequence, reps: int = 3) -> float:
+def relative_draft_cost(target: KVSequence, draft: KVSequence, target_step: float | None = None,
+                        reps: int = 3) -> float:
     """One draft-model decode in target decodes, measured once per draft runtime, each model's
     fastest of `reps` one-token decodes, alternating so both see the same machine. Each decode
     goes after what its sequence holds and is removed again (the target's after the prompt, once
-    its first token is sampled: the logits it overwrites are no longer needed)."""
+    its first token is sampled: the logits it overwrites are no longer needed).
+
+    A recurrent or hybrid target is not probed: its memory cannot drop a token again (a cut
+    empties the whole sequence, and its rollback snapshots restore states only inside the decode
+    that wrote them, never the state before it), so the draft's time is put over `target_step`
+    (the cost curve's one-row step). A draft with such a memory is emptied after its probe, and
+    reads its sequence again at its first draft."""
     if draft.runtime in _relative_step_cache:
         return _relative_step_cache[draft.runtime]
-    if not target.cached:
+    probe_target = target.can_drop_suffix
+    if not target.cached or not (probe_target or target_step):
         return 0.3  # nothing to measure after: a guess until drafting measures it
-    d_base = len(draft.cached)
     d_last = draft.cached[-1] if draft.cached else target.cached[0]
     t_base, t_last = len(target.cached), target.cached[-1]
     best_t = best_d = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
-        target.decode([t_last])
-        best_t = min(best_t, time.perf_counter() - t0)
-        target.truncate(t_base)
+        if probe_target:
+            t0 = time.perf_counter()
+            target.decode([t_last])
+            best_t = min(best_t, time.perf_counter() - t0)
+            target.truncate(t_base)
+        d_base = len(draft.cached)
         t0 = time.perf_counter()
         draft.decode([d_last])
         best_d = min(best_d, time.perf_counter() - t0)
         draft.truncate(d_base)
-    _relative_step_cache[draft.runtime] = best_d / best_t
-    return best_d / best_t
+    relative = best_d / (best_t if probe_target else target_step)  # type: ignore[operator]
+    _relative_step_cache[draft.runtime] = relative
+    return relative
 
 
 @dataclass
@@ -184,6 +194,16 @@ class DraftContext:
                     still.append(j)
             active = still
 
+    def forget(self, slots: list[int]) -> None:
+        """After a failed draft: what these slots' sequences hold is not trusted; each is read again
+        at its next draft."""
+        for slot in slots:
+            seq = self.seqs[slot]
+            try:
+                seq.clear()
+            finally:
+                seq.forget()
+
     def release(self, slot: int) -> None:
         """Nothing to free per request: the slot's sequence keeps its cache for the next one."""
 
@@ -206,7 +226,7 @@ class ModelDrafter:
         """A draft that cannot pay even at high acceptance is switched off before it costs
         anything (a quantized copy of a small model is often nearly as slow as the model itself:
         its time goes to overheads)."""
-        relative = relative_draft_cost(target, self.context.seqs[slot])
+        relative = relative_draft_cost(target, self.context.seqs[slot], self.policy.costs.time(1))
         self.step_s = relative * self.policy.costs.time(1)
         self._too_slow()
 

@@ -30,7 +30,8 @@ import numpy as np
 
 from ...errors import SpeculationError
 from ...gguf_file import GGUFInfo
-from ..llama.runtime import DecodeRows, LlamaRuntime, set_fields
+from ..llama.context import derived_params
+from ..llama.runtime import DecodeRows, LlamaRuntime
 from ..llama.heads_api import ExtBatch, ext
 from ..core.sequence import common_prefix
 from .draft_model import DraftJob, ModelDrafter, draft_token
@@ -80,10 +81,8 @@ class HeadContext:
         per slot, a plain attention cache (n_rs_seq 0: it drops any suffix)."""
         ll = self.api.ll
         rt = self.target
-        cp = type(rt.cparams).from_buffer_copy(rt.cparams)
-        set_fields(cp, n_rs_seq=0, ctx_other=rt.ctx, n_threads=rt.threads, n_threads_batch=rt.threads)
-        if mtp:
-            set_fields(cp, ctx_type=ll.LLAMA_CONTEXT_TYPE_MTP)
+        cp = derived_params(rt.cparams, n_rs_seq=0, ctx_other=rt.ctx, n_threads=rt.threads, n_threads_batch=rt.threads,
+                            **({"ctx_type": ll.LLAMA_CONTEXT_TYPE_MTP} if mtp else {}))
         self.ctx = ll.llama_init_from_model(model, cp)
         if not self.ctx:
             raise SpeculationError(f"{rt.path.name}: llama.cpp could not make the {self.kind} head's context")
@@ -173,6 +172,10 @@ class HeadContext:
         finally:
             self._known = [[] for _ in range(self.n_slots)]
             self._entries = [0] * self.n_slots
+
+    def forget(self, slots: list[int]) -> None:
+        """After a failure: nothing it holds is trusted (the slots share its context): a reset."""
+        self.reset()
 
     def reusable(self, slot: int, cached: list[int]) -> int:
         """How much of the target's cached sequence the head can follow on (a new request reuses no

@@ -53,9 +53,10 @@ class CostModel:
     processes come and go). Each verification of b rows refines ρ(b); sizes never verified move
     with the ones that were (a prior's guess of the curve's level is wrong for all sizes alike).
 
-    Three ways to get one: `prior(...)` from the model's size (no measuring, so the first request
-    pays nothing), `calibrate_costs` (one depth, every size), `edgeinfer bench` (two depths,
-    fitted). `CostModel({b: seconds})` takes decode times measured at `depth`.
+    Two ways to get one: `prior(...)` from the model's size (no measuring, so the first request
+    pays nothing), or measured (calibration.py's CurveMeasurement: `edgeinfer bench` at two depths,
+    fitted; a server while idle, at depth 0). `CostModel({b: seconds})` takes decode times measured
+    at `depth`.
     """
 
     def __init__(self, seconds: dict[int, float], *, attention: float = 0.0, depth: int = 0,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -419,7 +421,8 @@ class _Compiler:
         return self.add(path, f'"{{" ws {body} ws "}}"')
 
 
-def _load_schema(schema: Mapping | str) -> Any:
+def _load_schema(schema: Mapping | str) -> tuple[Any, str]:
+    """The schema as data, and as JSON text (what names its compilation)."""
     if isinstance(schema, (bytes, bytearray)):
         schema = schema.decode("utf-8", errors="replace")
     if isinstance(schema, str):
@@ -427,7 +430,7 @@ def _load_schema(schema: Mapping | str) -> Any:
         if size > MAX_SCHEMA_BYTES:
             raise InvalidOptionError(f"JSON schema is too large: {size} bytes (at most {MAX_SCHEMA_BYTES})")
         try:
-            return json.loads(schema)
+            return json.loads(schema), schema
         except RecursionError:
             raise InvalidOptionError("JSON schema nests too deeply") from None
         except ValueError as e:
@@ -435,14 +438,22 @@ def _load_schema(schema: Mapping | str) -> Any:
     if not isinstance(schema, Mapping) and not isinstance(schema, bool):
         raise InvalidOptionError(f"json_schema must be a mapping or JSON text, got {type(schema).__name__}")
     try:
-        size = len(json.dumps(schema, ensure_ascii=False).encode("utf-8", errors="replace"))
+        text = json.dumps(schema, ensure_ascii=False)
+        size = len(text.encode("utf-8", errors="replace"))
     except RecursionError:
         raise InvalidOptionError("JSON schema nests too deeply") from None
     except (TypeError, ValueError) as e:
         raise InvalidOptionError(f"JSON schema is not JSON data: {e}") from None
     if size > MAX_SCHEMA_BYTES:
         raise InvalidOptionError(f"JSON schema is too large: {size} bytes (at most {MAX_SCHEMA_BYTES})")
-    return schema
+    return schema, text
+
+
+# The last schemas compiled, by their JSON text: a request's schema is read where it is parsed and
+# where it is checked, and clients send the same response_format again and again.
+_compiled: OrderedDict[str, Grammar] = OrderedDict()
+_compiled_lock = threading.Lock()
+_COMPILED_KEPT = 16
 
 
 def json_schema_to_grammar(schema: Mapping | str) -> Grammar:
@@ -455,8 +466,17 @@ def json_schema_to_grammar(schema: Mapping | str) -> Grammar:
     their declared properties only, in declared order. Anything else is an InvalidOptionError naming
     the keyword; so is a recursive schema, one over MAX_SCHEMA_BYTES, or one whose grammar would
     exceed MAX_GBNF_BYTES (compilation is linear in the schema's size)."""
-    loaded = _load_schema(schema)
+    loaded, text = _load_schema(schema)
+    with _compiled_lock:
+        if text in _compiled:
+            _compiled.move_to_end(text)
+            return _compiled[text]
     compiler = _Compiler(loaded)
     top = compiler.visit(loaded, "#", 0)
     rules = {"root": top, **compiler.rules}
-    return Grammar("\n".join(f"{k} ::= {v}" for k, v in rules.items()) + "\n")
+    grammar = Grammar("\n".join(f"{k} ::= {v}" for k, v in rules.items()) + "\n")
+    with _compiled_lock:
+        _compiled[text] = grammar
+        while len(_compiled) > _COMPILED_KEPT:
+            _compiled.popitem(last=False)
+    return grammar
