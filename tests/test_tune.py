@@ -232,3 +232,32 @@ def test_make_quantizes_rungs_and_measures_against_the_f16_copy(tmp_path, worklo
     refs = {m.ref for m in edgeinfer.Store(home).list()}
     assert {"smollm2-135m-instruct:f16", "smollm2-135m-instruct:q8_0"} <= refs
     assert "making Q8_0 from smollm2-135m-instruct:f16" in r.stderr
+
+
+def test_the_library_reports_progress_and_promotes_only_the_contenders(edgeinfer_home, workload):
+    """edgeinfer.tune() in-process: the progress callback sees the stages in order with the best so
+    far, and successive halving measures only its finalists on the whole workload (level 2)."""
+    from edgeinfer.tune.search import _FINALISTS
+
+    events: list[edgeinfer.TuneProgress] = []
+    result = edgeinfer.tune(None, workload=workload, budget=300, methods=("off", "lookup"),
+                            kv_pairs=(("f16", "f16"),), save=False, progress=events.append)
+    stages = [e.stage for e in events]
+    order = ["screen", "combine", "halve", "final", "done"]
+    seen = [s for s in dict.fromkeys(stages) if s in order]
+    assert seen == [s for s in order if s in seen] and seen[0] == "screen" and seen[-1] == "done", stages
+    assert all(a.elapsed_s <= b.elapsed_s for a, b in zip(events, events[1:]))
+    assert all(e.budget_s == 300 for e in events) and any(e.best for e in events if e.stage == "final"), events
+    assert result.choice.chosen and result.choice in result.rows and result.profile_path is None
+    assert events[-1].stage == "done" and result.choice.setup.label() in events[-1].message
+
+    # 2 fa values x 2 thread counts x (off, lookup, lookup capped at 6): 12 setups of one rung. The
+    # screen takes the defaults and the 4 setups one knob away, the combination at most 2 more: not all
+    levels = [(r.setup.label(), r.level) for r in result.rows]
+    assert 3 <= len(result.rows) < 12, levels
+    at = {lvl: [r for r in result.rows if r.level == lvl] for lvl in (0, 1, 2)}
+    assert result.baseline is not None and result.baseline.level == 2  # the defaults, for the speed-up
+    finalists = [r for r in at[2] if r.setup != result.baseline.setup]
+    assert len(finalists) <= _FINALISTS and at[0], levels
+    assert result.choice.level == 2 and result.choice.setup.label() in (r.setup.label() for r in at[2])
+    assert result.choice.measurement.tok_s == max(r.measurement.tok_s for r in at[2])
