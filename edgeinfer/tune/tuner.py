@@ -40,10 +40,11 @@ __all__ = ["tune", "TuneResult", "TuneProgress", "TuneInterrupted", "DEFAULT_MAX
 
 log = logging.getLogger(__name__)
 
-# The default quality bound. On the ladders measured here a Q6_K/Q5_K_M costs ~0.01-0.02 against F16
-# and Q4_K_M ~0.05-0.06 (SmolLM2-135M, benchmarks/bench_ladder.py; llama.cpp's own figures for 7-8B
-# models are lower at every rung): 0.05 keeps the rungs whose top token nearly always agrees with the
-# reference's (≥ 90 % same-top) and lets tune choose among cache types and quants above Q4_K_M.
+# The default quality bound. On the ladders in benchmarks/RESULTS.md ("edgeinfer tune") Q6_K costs
+# 0.009 (SmolLM2-135M) and 0.004 (Qwen2.5-Coder-1.5B) against F16, the 135M's Q4_K_M 0.049 (86 %
+# same top) and the 1.5B's Q3_K_M 0.063 (84 %); llama.cpp's own figures for 7-8B models are lower at
+# every rung. 0.05 keeps the rungs whose top token agrees with the reference's about nine times in
+# ten or more, and lets tune choose among the cache types and quants above them.
 DEFAULT_MAX_KLD = 0.05
 DEFAULT_BUDGET_S = 600.0
 # Rungs `make=True` quantizes (those the installed llama.cpp can make and the store lacks).
