@@ -53,6 +53,7 @@ from .errors import (
     HubError,
     IncompatibleDraftError,
     IntegrityError,
+    NoSetupError,
     InvalidModelError,
     InvalidOptionError,
     ModelNotFoundError,
@@ -67,6 +68,8 @@ from .hub import DiskUsage, DiskUsageRow, DownloadProgress, disk_usage, purge_ca
 from .gguf_import import ImportProgress, ImportResult, import_gguf
 from .pull import PullEvent, PullPlan, PullResult, PullStage, plan, pull, pull_source
 from .store import DEFAULT_MODEL, ModelManifest, Store
+# the package edgeinfer/tune/; its function is edgeinfer.tune (bound after the package is imported)
+from .tune import DEFAULT_MAX_KLD, TunedProfile, TuneProgress, TuneResult, tune, tuned_status
 from .service import (
     Lease,
     ModelNotLoadedError,
@@ -157,6 +160,13 @@ __all__ = [
     "purge_cache",
     "DiskUsage",
     "DiskUsageRow",
+    # the fastest setup for this machine, model and work (edgeinfer tune)
+    "tune",
+    "TuneResult",
+    "TuneProgress",
+    "TunedProfile",
+    "tuned_status",
+    "DEFAULT_MAX_KLD",
     # errors
     "EdgeInferError",
     "ModelNotFoundError",
@@ -174,6 +184,7 @@ __all__ = [
     "QuantizationError",
     "SpeculationError",
     "IncompatibleDraftError",
+    "NoSetupError",
     "EngineClosedError",
     "EngineBusyError",
     "Cancelled",

@@ -20,6 +20,7 @@ __all__ = [
     "QuantizationError",
     "SpeculationError",
     "IncompatibleDraftError",
+    "NoSetupError",
     "EngineClosedError",
     "EngineBusyError",
     "Cancelled",
@@ -92,6 +93,11 @@ class SpeculationError(EdgeInferError, ValueError):
 
 class IncompatibleDraftError(SpeculationError):
     """A draft model whose vocabulary does not match the target's."""
+
+
+class NoSetupError(InvalidOptionError):
+    """`tune` found no setup within the quality bound and the memory budget (the message says the
+    closest one, and what to change)."""
 
 
 class EngineClosedError(EdgeInferError, RuntimeError):

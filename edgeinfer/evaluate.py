@@ -215,6 +215,7 @@ def evaluate_many(
     scored: int | None = None,
     cancel: CancelToken = None,
     placement: Mapping[str, Any] | None = None,
+    model_kv_types: Sequence[tuple[str, str]] | None = None,
 ) -> list[EvalResult]:
     """Evaluate several models on the same chunks against one reference (computed once per chunk).
 
@@ -225,6 +226,8 @@ def evaluate_many(
     `cancel` (a threading.Event or a callable, see edgeinfer.cancel) is polled before each model
     and each chunk and raises `Cancelled`; the models finished before it keep their saved metrics.
     `placement` (LoadOptions fields n_gpu_layers, rpc, tensor_split) places every model loaded.
+    `model_kv_types`: one (K, V) pair per model instead of `kv_type_k`/`kv_type_v` for all (a model
+    may then be given twice, with two caches, against one reference pass).
     """
     from .store import Store
 
@@ -237,6 +240,8 @@ def evaluate_many(
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     first = ctx - 1 - scored if scored is not None else ctx // 2
     kv = (kv_type_k, kv_type_v)
+    if model_kv_types is not None and len(model_kv_types) != len(models):
+        raise InvalidOptionError(f"model_kv_types has {len(model_kv_types)} pairs for {len(models)} models")
 
     ref_engine = _load(reference, ctx, n_threads, placement=placement) if reference is not None else None
     try:
@@ -272,7 +277,7 @@ def evaluate_many(
         ref_name = str(reference) if reference is not None else None
         for mi, model in enumerate(models):
             raise_if_cancelled(cancel, "evaluation cancelled")
-            engine = _load(model, ctx, n_threads, kv, placement)
+            engine = _load(model, ctx, n_threads, model_kv_types[mi] if model_kv_types is not None else kv, placement)
             started = time.monotonic()
             try:
                 if engine.n_vocab != vocab:

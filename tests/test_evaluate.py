@@ -29,12 +29,13 @@ def q4_0_copy(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path
     return r.path
 
 
-def _numpy_reference(model: Path, reference: Path, text: str) -> dict[str, float]:
-    """PPL, KLD, same-top and Δp written from the definitions, on logits of whole chunks (start=0)."""
+def _numpy_reference(model: Path, reference: Path, text: str, kv: str = "f16") -> dict[str, float]:
+    """PPL, KLD, same-top and Δp written from the definitions, on logits of whole chunks (start=0);
+    `kv`: the model's KV-cache type (the reference's is f16)."""
     import edgeinfer
 
     with edgeinfer.load(reference, edgeinfer.LoadOptions(n_ctx=CTX)) as ref, \
-            edgeinfer.load(model, edgeinfer.LoadOptions(n_ctx=CTX)) as q:
+            edgeinfer.load(model, edgeinfer.LoadOptions(n_ctx=CTX, kv_type=kv)) as q:
         tokens = ref.tokenize(text, add_special=True)
         nll, ref_nll, kld, same, dp = [], [], [], [], []
         for c in range(CHUNKS):
@@ -73,6 +74,27 @@ def test_eval_matches_numpy(q4_0_copy: Path, default_model_path: Path):
     assert r.delta_p == pytest.approx(ref["delta_p"], rel=1e-4, abs=1e-7)
     assert 0 < r.kld < 1 and 0.5 < r.same_top < 1  # a real, small quantization loss
     assert r.ppl_ratio == pytest.approx(r.ppl / r.ref_ppl)
+
+
+@pytest.mark.slow
+def test_a_cache_pair_per_model_matches_numpy_with_that_cache(q4_0_copy: Path, default_model_path: Path):
+    """model_kv_types: one model twice, with an f16 and a q8_0 cache, against one reference pass (what
+    tune measures a ladder's cache types with); each result is the numpy one with that cache."""
+    import edgeinfer
+    from edgeinfer.evaluate import default_eval_text, evaluate_many
+
+    text = default_eval_text()
+    plain, q8 = evaluate_many([q4_0_copy, q4_0_copy], default_model_path, text=text, ctx=CTX, chunks=CHUNKS,
+                              save=False, model_kv_types=[("f16", "f16"), ("q8_0", "q8_0")])
+    assert (plain.kv_types, q8.kv_types) == ("f16/f16", "q8_0/q8_0")
+    for result, kv in ((plain, "f16"), (q8, "q8_0")):
+        ref = _numpy_reference(q4_0_copy, default_model_path, text, kv)
+        assert result.kld == pytest.approx(ref["kld"], rel=1e-4, abs=1e-7)
+        assert result.ppl == pytest.approx(ref["ppl"], rel=1e-5)
+    assert q8.kld != plain.kld  # the quantized cache is measured, not the f16 one twice
+    with pytest.raises(edgeinfer.InvalidOptionError, match="model_kv_types has 1 pairs for 2 models"):
+        evaluate_many([q4_0_copy, q4_0_copy], default_model_path, text=text, ctx=CTX, chunks=1,
+                      model_kv_types=[("f16", "f16")])
 
 
 def test_chunks_replace_first_token_with_bos():

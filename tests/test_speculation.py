@@ -184,6 +184,33 @@ def test_a_draft_model_catches_up_within_its_first_draft_decode(f16_engine, plai
     assert 2 in rows  # it did fall behind by two, and caught up in the same decode
 
 
+def test_reset_makes_the_draft_model_read_the_prompt_again(f16_engine, default_model_path, monkeypatch):
+    """Engine.reset empties the draft model's cache too: the next request's drafter reads the whole
+    prompt, as a new request's does (what `tune` times a draft model by); without a reset it reuses
+    what it holds."""
+    from edgeinfer.engine.llama.runtime import LlamaRuntime
+
+    spec = SpeculationOptions(method="draft", draft_model=str(default_model_path), adaptive=False, draft_max=4)
+    prompt = f16_engine.chat_tokens(PROMPTS[1])
+    f16_engine.chat(PROMPTS[1], greedy(8, spec)).result()  # the draft model loaded, the prompt in both caches
+    target = f16_engine._runtime  # white-box: tell the draft model's decodes from the target's
+    rows: list[int] = []
+    real_decode = LlamaRuntime.decode_batch
+
+    def recording(self, batch):
+        if self is not target:
+            rows.append(len(batch))
+        return real_decode(self, batch)
+
+    monkeypatch.setattr(LlamaRuntime, "decode_batch", recording)
+    f16_engine.chat(PROMPTS[1], greedy(8, spec)).result()
+    kept = sum(rows)
+    rows.clear()
+    f16_engine.reset()
+    f16_engine.chat(PROMPTS[1], greedy(8, spec)).result()
+    assert kept < len(prompt) // 2 <= len(prompt) - 8 <= sum(rows), (kept, sum(rows), len(prompt))
+
+
 def test_sampling_distribution_matches_plain(f16_engine, default_model_path):
     """Sampling (the default top-k/top-p/min-p chain at temperature 0.7), a draft model speculating
     with a fixed length (every step drafts; the second and third tokens are both drafted, so a

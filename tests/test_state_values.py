@@ -68,7 +68,7 @@ def test_a_value_that_is_not_finite_is_refused_in_every_kv_type(kv_type, default
     path = tmp_path / "state.kv"
     with edgeinfer.load(default_model_path, n_ctx=256, kv_type=kv_type, n_threads=1) as engine:
         engine.generate("The capital of France is", edgeinfer.GenerateOptions(max_tokens=2)).result()
-        engine.save_session(path)
+        engine.save_slot(0, path)
         data = path.read_bytes()
         _check(data)  # what llama.cpp wrote is finite
         _, _, first_k, v_end = _parts(data)
@@ -84,7 +84,7 @@ def test_a_value_that_is_not_finite_is_refused_in_every_kv_type(kv_type, default
             with pytest.raises(StateRefused, match="not finite"):
                 _check(forged)
             path.write_bytes(forged)
-            result = engine.restore_session(path)
+            result = engine.restore_slot(0, path)
             assert not result and "not finite" in result.reason, (kv_type, at, result)
         path.write_bytes(data)
-        assert engine.restore_session(path)  # the state as saved loads
+        assert engine.restore_slot(0, path)  # the state as saved loads

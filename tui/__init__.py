@@ -25,13 +25,16 @@ def run(
     db_path: Path | None = None,
     load_options=None,
     kv_types: tuple[str, str] | None = None,
+    speculation: str | None = None,
 ) -> int:
     """Run the chat app in this terminal; returns an exit code. `load_options`: context and
     threads of every load; `kv_types`: the (K, V) cache types the open chat starts with (None: the
-    types saved with it)."""
+    types saved with it); `speculation` (the CLI form, e.g. "lookup": a tuned profile's) the
+    speculation of the open chat and of new chats (None: the chat's own)."""
     from .app import EdgeInferApp
     from .backend import LibraryBackend
 
-    app = EdgeInferApp(LibraryBackend(load_options), model=model, kv_types=kv_types, db_path=db_path)
+    app = EdgeInferApp(LibraryBackend(load_options), model=model, kv_types=kv_types, db_path=db_path,
+                       speculation=speculation)
     app.run()
     return int(app.return_code or 0)

@@ -74,15 +74,17 @@ class EdgeInferApp(App[None]):
         kv_types: tuple[str, str] | None = None,
         db_path: Path | None = None,
         config: TuiConfig | None = None,
+        speculation: str | None = None,
     ):
-        """`model` and `kv_types` (K, V cache types): what `edgeinfer chat` asked for, given to the
-        open chat (None: the chat's own)."""
+        """`model`, `kv_types` (K, V cache types) and `speculation` (the CLI form): what `edgeinfer
+        chat` asked for (or the model's tuned profile), given to the open chat (None: the chat's own)."""
         super().__init__()
         self.backend: Backend = backend or LibraryBackend()
         self.models = ModelHost(self.backend)
         self.config = config if config is not None else load_config()
         self.initial_model = model
         self.initial_kv_types = kv_types
+        self.initial_speculation = speculation
         self.db_path = db_path
         self.store: ChatStore | None = None
         self._chat_screen: ChatScreen | None = None
@@ -104,7 +106,8 @@ class EdgeInferApp(App[None]):
             self.models.sessions = ChatSessions(self.store.path.parent / "chat-sessions")
             self.models.sessions.prune([c.id for c in self.store.list_chats()])
         self._chat_screen = ChatScreen(
-            self.store, self.models, self.config, initial_model=self.initial_model, initial_kv_types=self.initial_kv_types
+            self.store, self.models, self.config, initial_model=self.initial_model, initial_kv_types=self.initial_kv_types,
+            initial_speculation=self.initial_speculation,
         )
         self.push_screen(self._chat_screen)
         if self.config.error:

@@ -21,6 +21,7 @@ from edgeinfer.fit import FitReport, available_memory, fit
 from edgeinfer.hub import DEFAULT_QUANT
 from edgeinfer.imatrix_compute import ImatrixProgress, compute_imatrix
 from edgeinfer.quantize import QuantizeProgress, quantize_model
+from edgeinfer.tune import ProfileStatus, text_plot
 
 __all__ = [
     "ModelEntry",
@@ -70,6 +71,8 @@ class ModelEntry:
     kv_types: tuple[str, str] | None = None
     kv_cache: int | None = None
     kv_by_type: dict[str, int] = field(default_factory=dict)
+    # its tuned profile (`edgeinfer tune`) in text: the choice, and the frontier as a character plot
+    tuned: str | None = None
 
 
 def _number(section: object, key: str) -> float | None:
@@ -99,6 +102,7 @@ def entry_from_manifest(
         report: FitReport | None = fit(m.ref, n_ctx, store=store, available=available, kv_type_k=k, kv_type_v=v)
     except (edgeinfer.EdgeInferError, OSError):  # an estimate is a hint: an unreadable file leaves it unknown
         report = None
+    status = edgeinfer.tuned_status(store or edgeinfer.Store(), m)
     return ModelEntry(
         ref=m.ref,
         name=m.name,
@@ -115,7 +119,18 @@ def entry_from_manifest(
         kv_types=(k, v),
         kv_cache=None if report is None else report.estimate.kv_cache,
         kv_by_type={} if report is None else dict(report.kv_by_type),
+        tuned=tuned_text(status),
     )
+
+
+def tuned_text(status: ProfileStatus) -> str | None:
+    """A tuned profile as the model screen shows it: what runs, then the frontier in characters
+    (a terminal cannot show the SVG `tune` writes)."""
+    p = status.profile
+    if p is None:
+        return None
+    used = "" if status.usable else f"\nnot used: {status.reason}"
+    return f"tuned: {p.summary()}{used}\n{text_plot(p.rows, max_kld=p.max_kld)}"
 
 
 @dataclass(frozen=True)

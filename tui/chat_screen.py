@@ -62,6 +62,7 @@ class ChatScreen(Screen):
         *,
         initial_model: str | None = None,
         initial_kv_types: tuple[str, str] | None = None,
+        initial_speculation: str | None = None,
     ):
         super().__init__(id="chat-screen")
         self.store = store
@@ -69,6 +70,7 @@ class ChatScreen(Screen):
         self.config = config
         self.initial_model = initial_model  # `edgeinfer chat MODEL`
         self.initial_kv_types = initial_kv_types  # `edgeinfer chat --kv-type/--kv-type-k/--kv-type-v`
+        self.initial_speculation = initial_speculation  # the model's tuned profile (the CLI form)
         self.chat_view = ChatView(
             store, models, config, default_model=initial_model or models.backend.default_ref(), id="chat-pane"
         )
@@ -125,8 +127,16 @@ class ChatScreen(Screen):
             self.new_chat()
         if self.initial_kv_types is not None and view.settings.kv_types != self.initial_kv_types:
             view.update_chat(settings=view.settings.with_kv_types(self.initial_kv_types).to_dict())  # so do its cache types
+        if self.initial_speculation is not None and view.settings.speculation != self._initial_speculation():
+            view.update_chat(settings=replace(view.settings, speculation=self._initial_speculation()).to_dict())
         view.chat_input.focus()
         self._want_model()
+
+    def _initial_speculation(self) -> SpeculationSettings:
+        """The speculation `edgeinfer chat` gives (a tuned profile's), as a chat's settings hold it."""
+        spec = SpeculationOptions.parse(self.initial_speculation or "off")
+        return SpeculationSettings(method=spec.method, draft_model=spec.draft_model, self_quant=spec.self_quant,
+                                   draft_max=spec.draft_max)
 
     def _want_model(self) -> None:
         view = self.chat_view
@@ -152,6 +162,8 @@ class ChatScreen(Screen):
         settings = ChatSettings()
         if self.initial_kv_types is not None:
             settings = settings.with_kv_types(self.initial_kv_types)
+        if self.initial_speculation is not None:
+            settings = replace(settings, speculation=self._initial_speculation())
         chat = self.store.create_chat(model=model, settings=settings.to_dict())
         self.chat_list.insert(0, [ChatListItem(chat.id, chat.title)])
         self.open_chat(chat.id)

@@ -134,6 +134,7 @@ class ManageScreen(Screen):
     ManageScreen .result { margin-top: 1; height: auto; }
     ManageScreen .bars { height: auto; }
     ManageScreen #ladder-chart { margin-top: 1; height: auto; }
+    ManageScreen #tuned-plot { margin-top: 1; height: auto; }
     """
 
     def __init__(self, backend: Backend):
@@ -158,6 +159,7 @@ class ManageScreen(Screen):
                 yield Select([], prompt="Model name", id="ladder-name")
                 yield DataTable(zebra_stripes=True, id="ladder-table")
                 yield Static("", id="ladder-chart")
+                yield Static("", id="tuned-plot")
             for kind, (title, fields, hint) in TASKS.items():
                 with TabPane(title, id=f"tab-{kind}"):
                     with VerticalScroll():
@@ -242,6 +244,7 @@ class ManageScreen(Screen):
         table.clear()
         if name is Select.NULL:
             self.query_one("#ladder-chart", Static).update("")
+            self.query_one("#tuned-plot", Static).update("")
             return
         rungs = [e for e in self.entries if (e.name or e.ref.split(":")[0]) == name]
         rungs.sort(key=lambda e: (e.bits_per_weight or 0.0), reverse=True)
@@ -257,6 +260,9 @@ class ManageScreen(Screen):
                 format_optional(e.tok_s, ".1f"),
             )
         self.query_one("#ladder-chart", Static).update(ladder_chart(rungs))
+        tuned = next((e.tuned for e in rungs if e.tuned), None)
+        self.query_one("#tuned-plot", Static).update(
+            Text(tuned) if tuned else Text(f"not tuned yet: `edgeinfer tune {name}` finds its fastest setup here", style="dim"))
 
     # -- pull / convert / quantize / evaluate ----------------------------------------------------
     @on(TabbedContent.TabActivated)

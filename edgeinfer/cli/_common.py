@@ -28,6 +28,8 @@ __all__ = [
     "add_placement_options",
     "placement_options",
     "rpc_workers_type",
+    "duration_type",
+    "size_type",
 ]
 
 INT32_MAX = 2**31 - 1  # a C int: every count llama.cpp takes (threads, tokens, top-k, context)
@@ -116,6 +118,40 @@ def placement_options(args: argparse.Namespace) -> dict[str, object]:
     if hasattr(args, "draft_gpu_layers"):  # the commands that load draft models
         out["draft_gpu_layers"] = args.draft_gpu_layers
     return out
+
+
+def duration_type(flag: str) -> Callable[[str], float]:
+    """An argparse type: seconds from 90, 30s, 5m, 1h30m (edgeinfer.service.parse_duration; negative
+    means for ever, -1), a wrong one a one-line error naming `flag`."""
+
+    def parse(text: str) -> float:
+        from edgeinfer.errors import InvalidOptionError
+        from edgeinfer.service import parse_duration
+
+        try:
+            return parse_duration(text, flag)
+        except InvalidOptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def size_type(flag: str, *, auto: bool = False) -> Callable[[str], int | None]:
+    """An argparse type: bytes from 8G, 7.5GiB or a number (edgeinfer.service.parse_size); with
+    `auto`, "auto" is None (the caller's default)."""
+
+    def parse(text: str) -> int | None:
+        from edgeinfer.errors import InvalidOptionError
+        from edgeinfer.service import parse_size
+
+        if auto and text.strip().lower() == "auto":
+            return None
+        try:
+            return parse_size(text, flag)
+        except InvalidOptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def int_range(lo: int, hi: int | Callable[[], int]) -> Callable[[str], int]:

@@ -94,11 +94,31 @@ def show_model(args: argparse.Namespace) -> int:
         "tensor_types": info.type_counts(),
         "size": info.file_size,
     }
+    status = edgeinfer.tuned_status(store, manifest)
+    if status.profile is not None or status.reason is not None:
+        data["tuned"] = _tuned_fields(status)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     _print_fields(data)
+    if status.profile is not None and status.profile.rows:
+        from edgeinfer.tune.pareto import TABLE_HEADER, table_rows
+
+        print("tuned frontier (* the choice; `edgeinfer tune` measured them):")
+        print_table(table_rows(status.profile.rows, frontier_only=True), TABLE_HEADER)
     return 0
+
+
+def _tuned_fields(status) -> dict:  # noqa: ANN001 - an edgeinfer.tune.ProfileStatus
+    """The tuned profile as `show` prints it: what runs, what it was measured at, whether it is used."""
+    p = status.profile
+    if p is None:
+        return {"status": f"not used: {status.reason}"}
+    used = "used by run, chat and serve (--untuned ignores it)" if status.usable else f"not used: {status.reason}"
+    return {"status": used, "setup": p.setup.label(short_model=False), "tok_s": round(p.predicted.get("tok_s", 0.0), 2),
+            "speedup": round(p.predicted.get("speedup", 0.0), 3) or None, "kld": round(p.predicted.get("kld", 0.0), 5),
+            "max_kld": p.max_kld, "reference": p.reference, "workload": p.workload.get("name"),
+            "memory": format_bytes(p.predicted.get("memory", 0)), "created": p.created}
 
 
 def _print_fields(data: dict, indent: str = "") -> None:

@@ -14,6 +14,7 @@ from ._common import INT32_MAX, ctx_type, add_encoding_option, add_kv_options, k
 
 from ._common import add_placement_options, placement_options
 from ._interactive import PrefillLine, stream_reply
+from ._tuned import add_untuned_option, tuned_for
 
 __all__ = ["register"]
 
@@ -66,8 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
     add_placement_options(p, drafts=True)
-    p.add_argument("--speculate", default="off", metavar="SPEC",
-                   help="off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=Q3_K_M | mtp | eagle3=MODEL | medusa=HEADS "
+    p.add_argument("--speculate", metavar="SPEC",
+                   help="off (default, or the tuned profile's) | lookup | suffix | auto | auto=MODEL | draft=MODEL | "
+                   "self=Q3_K_M | mtp | eagle3=MODEL | medusa=HEADS "
                    "(output is unchanged, speed may be; suffix: continuations of earlier answers (this run's) and of the prompt; "
                    "auto=MODEL: auto may draft with MODEL where it pays; mtp: the "
                    "model's own MTP layer, e.g. Qwen3.5's; eagle3: an EAGLE-3 drafter made for the model; medusa: a file of "
@@ -78,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-min", type=int_range(0, INT32_MAX),
                    help=f"shortest draft worth verifying (default {edgeinfer.DEFAULT_SPECULATION.draft_min})")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
-    p.set_defaults(func=run)
+    add_untuned_option(p)
+    p.set_defaults(func=run, kv_type=None)  # unset --kv-type: the tuned profile's, else f16
 
 
 def _split_model_and_prompt(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -222,9 +225,12 @@ def run(args: argparse.Namespace) -> int:
         raise edgeinfer.InvalidOptionError("the prompt is empty")
     system = None if args.system is None else argument_text(args.system, "--system", args.encoding_errors)
     stop = tuple(argument_text(s, "--stop", args.encoding_errors) for s in args.stop)
-    if args.draft is not None and args.speculate.partition("=")[0].strip() not in ("auto", "draft"):
+    tuned = tuned_for(model, args.untuned)
+    speculate, tuned_draft_max = tuned.speculate(args.speculate)
+    if args.draft is not None and speculate.partition("=")[0].strip() not in ("auto", "draft"):
         raise edgeinfer.InvalidOptionError("--draft needs --speculate auto or --speculate draft")
-    speculation = edgeinfer.SpeculationOptions.parse(args.speculate, draft_max=args.draft_max, draft_min=args.draft_min,
+    draft_max = args.draft_max if args.draft_max is not None else tuned_draft_max
+    speculation = edgeinfer.SpeculationOptions.parse(speculate, draft_max=draft_max, draft_min=args.draft_min,
                                                      draft_model=args.draft)
     options = edgeinfer.GenerateOptions(
         max_tokens=args.max_tokens,
@@ -243,9 +249,9 @@ def run(args: argparse.Namespace) -> int:
         speculation=speculation,
         **_constraint(args),
     ).validate()
-    load = edgeinfer.LoadOptions(n_ctx=args.ctx, n_threads=args.threads, **kv_options(args),
+    load = edgeinfer.LoadOptions(**tuned.load_fields({"n_ctx": args.ctx, "n_threads": args.threads, **kv_options(args)}),
                                  **placement_options(args)).validate()
-    with edgeinfer.load(model, load) as engine:
+    with edgeinfer.load(tuned.model, load) as engine:
         if args.ctx is not None and engine.n_ctx != args.ctx:
             print(f"edgeinfer: note: context of {args.ctx} tokens rounded to {engine.n_ctx} by llama.cpp", file=sys.stderr)
         _prepare_speculation(engine, options.speculation)
@@ -288,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
             return 130
         if args.json:
             print(json.dumps({"model": engine.name, "text": done.text, "tokens": done.tokens,
-                              "finish_reason": done.finish_reason, "stats": done.stats.to_dict()}))
+                              "finish_reason": done.finish_reason, "stats": done.stats.to_dict(),
+                              "tuned": tuned.setup.to_dict() if tuned.setup is not None else None}))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()

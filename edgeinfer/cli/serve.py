@@ -17,7 +17,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ._common import add_placement_options, common_options, ctx_type, int_range, placement_options, THREADS_HELP, threads_type
+from ._common import add_placement_options, common_options, ctx_type, duration_type, int_range, placement_options, size_type, THREADS_HELP, threads_type
+from ._tuned import add_untuned_option, tuned_for
 
 __all__ = ["register"]
 
@@ -36,38 +37,6 @@ def _seconds(text: str) -> float:
     if not 0 < value < 1e6:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds (and less than 1e6), got {text}")
     return value
-
-
-def _duration(text: str) -> float:
-    from edgeinfer import InvalidOptionError
-    from edgeinfer.service import parse_duration
-
-    try:
-        return parse_duration(text, "--keep-alive")
-    except InvalidOptionError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size(text: str) -> int | None:
-    from edgeinfer import InvalidOptionError
-    from edgeinfer.service import parse_size
-
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return parse_size(text, "--max-memory")
-    except InvalidOptionError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _quota(text: str) -> int:
-    from edgeinfer import InvalidOptionError
-    from edgeinfer.service import parse_size
-
-    try:
-        return parse_size(text, "--slot-quota")
-    except InvalidOptionError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -118,14 +87,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "turn it off or choose lookup or suffix with the extra body field "
                    "'speculation' (default: serve.toml's, else off)")
     many = p.add_argument_group("models by name")
-    many.add_argument("--keep-alive", type=_duration, default=DEFAULT_KEEP_ALIVE, metavar="DURATION",
+    many.add_argument("--keep-alive", type=duration_type("--keep-alive"), default=DEFAULT_KEEP_ALIVE, metavar="DURATION",
                       help="how long a model stays loaded after its last request: seconds or 30s / 5m / 1h; 0 "
                       "unloads it after each request, -1 keeps it (a request's 'keep_alive' field and serve.toml "
                       f"override it; default {DEFAULT_KEEP_ALIVE:g} s)")
     many.add_argument("--max-loaded", "--models-max", type=int_range(1, 64), default=DEFAULT_MAX_LOADED, metavar="N",
                       help="models loaded at once; the least recently used idle one is unloaded to make room "
                       f"(default {DEFAULT_MAX_LOADED})")
-    many.add_argument("--max-memory", type=_size, metavar="SIZE",
+    many.add_argument("--max-memory", type=size_type("--max-memory", auto=True), metavar="SIZE",
                       help="memory the loaded models may take, by edgeinfer fit's estimate (weights, KV cache "
                       "for their slots, compute buffers): e.g. 6G or 5.5GiB (default: what this machine has "
                       "available at start)")
@@ -167,12 +136,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     slots.add_argument("--slot-save-path", metavar="DIR",
                        help="a folder for POST /slots/{id}?action=save|restore (made if missing); without it (or "
                        "[slots] path in serve.toml) slot actions answer 501")
-    slots.add_argument("--slot-quota", type=_quota, metavar="SIZE",
+    slots.add_argument("--slot-quota", type=size_type("--slot-quota"), metavar="SIZE",
                        help="the most the slot folder's files may take together, e.g. 2G (default: serve.toml's, "
                        f"else {DEFAULT_SLOT_QUOTA / (1 << 30):g}GiB); a save that could pass it is a 507")
     lim.add_argument("--grace", type=float, default=5.0,
                      help="seconds running requests may finish after Ctrl-C or SIGTERM before they are cancelled; "
                      f"the process exits at most {SHUTDOWN_MARGIN:g} s later, whatever is stuck (exit status 1 then)")
+    add_untuned_option(p)
     p.set_defaults(func=serve)
 
 
@@ -249,6 +219,15 @@ def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 -
     from edgeinfer.service import SETTINGS_FILE, read_settings_file
 
     defaults, tables = read_settings_file(store.root / SETTINGS_FILE)
+    tuned = tuned_for(args.model, args.untuned)  # the default model's profile: under its table and the flags
+    default_model = tuned.model
+    if tuned.setup is not None:
+        s = tuned.setup
+        slots = tuned.serve or {}
+        profile = edgeinfer.ModelSettings(threads=s.threads, kv_type=s.kv_type_k, kv_type_k=s.kv_type_k,
+                                          kv_type_v=s.kv_type_v, flash_attn=s.flash_attn, speculate=s.speculate,
+                                          parallel=slots.get("parallel"), ctx=slots.get("ctx"))
+        tables = {**tables, s.model: tables.get(s.model, edgeinfer.ModelSettings()).over(profile)}
     placement = {k: v for k, v in placement_options(args).items() if v not in (None, (), "auto")}
     flags = edgeinfer.ModelSettings(
         parallel=args.parallel, ctx=args.ctx, threads=args.threads, kv_type=args.kv_type,
@@ -260,7 +239,7 @@ def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 -
         raise edgeinfer.InvalidOptionError(f"{len(preloads)} models to load at start (the default and --preload) "
                                            f"but --max-loaded is {args.max_loaded}")
     return edgeinfer.ServiceOptions(keep_alive=args.keep_alive, max_loaded=args.max_loaded,
-                                    max_memory=args.max_memory, default_model=args.model, defaults=defaults,
+                                    max_memory=args.max_memory, default_model=default_model, defaults=defaults,
                                     models=tables, default_settings=flags).validate()
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..default_model import DEFAULT_MODEL  # its one source, beside the code that finds the shipped file
 from .garbage import Garbage
-from .manifest import ManifestError, ModelManifest
+from .manifest import SIDECAR_SUFFIXES, ManifestError, ModelManifest
 from .names import normalize_name, parse_ref
 from .store import Store
 
@@ -34,4 +34,5 @@ __all__ = [
     "parse_ref",
     "normalize_name",
     "DEFAULT_MODEL",
+    "SIDECAR_SUFFIXES",
 ]

@@ -23,9 +23,12 @@ from ..errors import StoreError
 from ..fsutil import is_inside
 from .names import NAME_RE
 
-__all__ = ["MAX_MANIFEST_BYTES", "ManifestError", "ModelManifest", "read_manifest"]
+__all__ = ["MAX_MANIFEST_BYTES", "SIDECAR_SUFFIXES", "ManifestError", "ModelManifest", "read_manifest"]
 
 MAX_MANIFEST_BYTES = 4 << 20  # a manifest is a few KB; a bigger file is not one of ours
+# Files kept beside a manifest `<tag>.json` as `<tag><suffix>` (edgeinfer.tune's profile and its
+# picture): removed with the manifest.
+SIDECAR_SUFFIXES = (".tuned", ".tuned.svg")
 
 
 class ManifestError(StoreError):

@@ -28,7 +28,7 @@ from ..validate import LoadChecks, check_semantics, validate_file
 from . import cache, garbage, locks
 from .bootstrap import ensure_default_model
 from .garbage import Garbage
-from .manifest import ManifestError, ModelManifest, read_manifest
+from .manifest import SIDECAR_SUFFIXES, ManifestError, ModelManifest, read_manifest
 from .names import looks_like_path, parse_ref
 
 __all__ = ["Store"]
@@ -334,6 +334,9 @@ class Store:
             raise StoreError(f"{path} is outside the store; refusing to delete it")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        for suffix in SIDECAR_SUFFIXES:  # what other modules keep beside the manifest goes with it
+            with contextlib.suppress(FileNotFoundError):
+                path.with_name(path.stem + suffix).unlink()
         with contextlib.suppress(OSError):
             path.parent.rmdir()  # only when empty
 

@@ -58,6 +58,28 @@ def test_models_table_delete_and_ladder(make_app, backend):
     run(main())
 
 
+def test_the_ladder_tab_shows_the_tuned_profile_as_characters(make_app, backend):
+    from dataclasses import replace
+
+    plot = "tuned: smollm2-135m-instruct:q4_1 kv q8_0 fa on auto-t lookup: 61.0 tok/s\n12.0 |  *   |"
+    backend.models = [replace(backend.models[0], tuned=plot)] + backend.models[1:] + [
+        replace(backend.models[1], ref="other:q8_0", name="other")]
+
+    async def main():
+        app = make_app()
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await _open_manage(pilot, app)
+            tuned = screen.query_one("#tuned-plot")
+            screen.query_one("#ladder-name").value = "smollm2-135m-instruct"
+            await wait_for(pilot, lambda: "61.0 tok/s" in tuned.render().plain, what="the tuned profile")
+            assert "12.0 |  *   |" in tuned.render().plain
+            screen.query_one("#ladder-name").value = "other"
+            await wait_for(pilot, lambda: "not tuned yet: `edgeinfer tune other`" in tuned.render().plain,
+                           what="no profile")
+
+    run(main())
+
+
 def test_quantize_task_progress_and_error(make_app, backend):
     async def main():
         app = make_app()

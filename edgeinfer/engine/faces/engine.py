@@ -26,6 +26,7 @@ from ..llama.runtime import LlamaRuntime
 from ..core.options import GenerateOptions, LoadOptions, SpeculationOptions
 from ..core.sampler import Sampler
 from ..core.scheduler import Scheduler, Slot
+from ..core.sequence import KVSequence
 from .exclusive import RequestSlot
 from ..speculation import CostModel, measure_costs
 from ..speculation.head_models import mtp_layers
@@ -201,8 +202,14 @@ class Engine(ModelFace):
 
     def reset(self) -> None:
         """Forget the cached prompt, so the next request starts from an empty KV cache (a request
-        normally re-uses the longest prefix it shares with the previous one)."""
-        self.erase_slot(0)
+        normally re-uses the longest prefix it shares with the previous one), in its draft models too."""
+
+        def forget(seq: KVSequence) -> int:
+            seq.clear()
+            self._drafts.forget_cached()
+            return 0
+
+        self._on_idle_slot(0, forget)
 
     # -- evaluation ------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int], start: int = 0) -> np.ndarray:

@@ -229,6 +229,14 @@ class DraftModels:
         result = quantize_model(source, quant, store=store, allow_requantize=already_quantized, on_progress=on_tensor)
         return Path(result.manifest.file)
 
+    def forget_cached(self) -> None:
+        """Empty every draft model's sequences (Engine.reset: the next request reads its prompt anew
+        in the draft model too). Call with the target's slot held."""
+        with self._lock:
+            for context in self._runtimes.values():
+                for seq in context.seqs:
+                    seq.clear()
+
     def close(self) -> None:
         """Free every draft runtime; a preparation still running frees what it opens."""
         with self._lock:
