@@ -50,8 +50,8 @@ def body(**kw):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, "response_format",
      "strict must be a boolean"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}},
-     "response_format", '"pattern"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format", "uniqueItems"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
         "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}}}},
      "response_format", "recursive"),
