@@ -365,40 +365,42 @@ def test_metrics_polled_while_eight_streams_run_and_end_never_fail(f16_path):
 @pytest.mark.parametrize("face", ["BatchEngine", "Engine"])
 def test_a_grammar_is_compiled_once_per_request_and_never_on_the_scheduler_thread(face, f16_batch, f16_single,
                                                                                   monkeypatch):
-    """llama.cpp parses a request's grammar against the vocabulary once, in the thread that submits
-    it (the check before it is queued), and the request samples with that compilation: the
-    scheduler thread, which steps every stream, never parses one (a large grammar would stall
-    them all). A JSON schema is compiled to GBNF at most once too (the same schema again: never)."""
+    """A request's grammar or JSON schema becomes llguidance's matcher over the vocabulary once, in
+    the thread that submits it (the check before it is queued), and the request samples with that
+    matcher: the scheduler thread, which steps every stream, never builds one (a large grammar would
+    stall them all). Its text is compiled at most once (the same schema again: never)."""
     from edgeinfer.engine.core import sampler as sampler_module
-    from edgeinfer.engine.structured import json_schema as schema_module
+    from edgeinfer.engine.structured import llg as llg_module
 
-    parsed: list[tuple[str, bool]] = []
+    built: list[str] = []
     compiled: list[str] = []
-    real_parse, real_compile = sampler_module._new_sampler, schema_module._Compiler.visit
+    real_constraint, real_compile = sampler_module.Constraint, llg_module.llguidance_grammar
 
-    def parse(grammar, vocab, capture=False):
-        parsed.append((threading.current_thread().name, vocab is not None))
-        return real_parse(grammar, vocab, capture)
+    def constraint(runtime, grammar, *args):
+        built.append(threading.current_thread().name)
+        return real_constraint(runtime, grammar, *args)
 
-    def compile_schema(self, schema, path, depth):
-        if path == "#":
+    def compile_grammar(grammar):
+        with llg_module._compiled_lock:
+            cached = any(key[1] in (grammar.json_schema, grammar.gbnf) for key in llg_module._compiled)
+        if not cached:
             compiled.append(threading.current_thread().name)
-        return real_compile(self, schema, path, depth)
+        return real_compile(grammar)
 
-    monkeypatch.setattr(sampler_module, "_new_sampler", parse)
-    monkeypatch.setattr(schema_module._Compiler, "visit", compile_schema)
+    monkeypatch.setattr(sampler_module, "Constraint", constraint)
+    monkeypatch.setattr(llg_module, "llguidance_grammar", compile_grammar)
     engine = f16_batch if face == "BatchEngine" else f16_single
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
               "additionalProperties": False}
     me = threading.current_thread().name
-    for constraint in ({"grammar": 'root ::= "The answer is " [0-9]+ "."'}, {"json_schema": schema}):
-        parsed.clear()
+    for constraint_field in ({"grammar": 'root ::= "The answer is " [0-9]+ "."'}, {"json_schema": schema}):
+        built.clear()
         compiled.clear()
-        opts = GenerateOptions(max_tokens=24, sampling=SamplingOptions(temperature=0.0), **constraint)
+        opts = GenerateOptions(max_tokens=24, sampling=SamplingOptions(temperature=0.0), **constraint_field)
         done = engine.generate("Answer:", opts).result()
         assert done.finish_reason in ("eos", "stop", "length") and done.tokens
-        assert [p for p in parsed if p[1]] == [(me, True)], parsed  # with the vocabulary: once, here
-        assert compiled in ([], [me]), compiled  # (none: the schema was compiled for an earlier request)
+        assert built == [me], built  # the matcher: once, here
+        assert compiled in ([], [me]), compiled  # (none: compiled for an earlier request)
 
 
 @pytest.mark.slow

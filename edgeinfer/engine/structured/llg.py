@@ -39,7 +39,7 @@ from .bounds import check_gbnf_bounds, check_schema_bounds
 LlamaRuntime = Any
 Grammar = Any
 
-__all__ = ["Constraint", "llguidance_grammar", "LIMITS", "JSON_OPTIONS"]
+__all__ = ["Constraint", "llguidance_grammar", "with_practical_defaults", "LIMITS", "JSON_OPTIONS"]
 
 # The parser's budgets: grammar size, lexer states, and per mask (step) the lexer's fuel and the
 # Earley items. A grammar that needs more fails with a clear error — at its first mask, when the
@@ -88,7 +88,8 @@ def llguidance_grammar(grammar: Grammar) -> str:
         schema = json.loads(grammar.json_schema)
         check_schema_bounds(schema)
         try:
-            text = LLMatcher.grammar_from_json_schema(grammar.json_schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+            text = LLMatcher.grammar_from_json_schema(json.dumps(with_practical_defaults(schema)),
+                                                      overrides=JSON_OPTIONS)  # type: ignore[arg-type]
         except ValueError as e:
             raise InvalidOptionError(f"JSON schema: {_first_line(str(e))}") from None
         what = "JSON schema"
@@ -112,6 +113,35 @@ def llguidance_grammar(grammar: Grammar) -> str:
         while len(_compiled) > _KEPT:
             _compiled.popitem(last=False)
     return text
+
+
+# Values, not schemas: an object inside them is data and keeps every key it has.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# An integer without a bound on a side gets at most this many digits there (llama.cpp's
+# json-schema-to-grammar and our earlier compiler cap integers at 16 digits the same way).
+_INT_BOUND = 10**16 - 1
+
+
+def with_practical_defaults(schema: Any) -> Any:
+    """A copy of `schema` with two defaults that JSON Schema leaves open and a small model runs
+    away with (until max_tokens): an object schema with `properties` and no `additionalProperties`
+    allows only its declared properties (as OpenAI's strict mode and vLLM's guidance backend do; a
+    Pydantic model never sets it), and an integer without `minimum`/`maximum` has at most 16 digits
+    on that side. What comes out validates against the original schema. (Bounded first: depth ≤ 32.)"""
+    if isinstance(schema, list):
+        return [with_practical_defaults(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else with_practical_defaults(value) for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and kind == ["integer"]):
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = _INT_BOUND
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -_INT_BOUND
+    return out
 
 
 # -- the tokenizer of a loaded model (built once, lazily) -------------------------------------------
