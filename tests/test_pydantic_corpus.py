@@ -6,7 +6,8 @@ llguidance cannot enforce (`set[str]`: uniqueItems) is refused in one line namin
 Sampled (slow tier): seeded samples per model at T = 1 (the default top-k/top-p/min-p) on the
 default model's F16 copy, eight requests at a time on one BatchEngine (they share decode steps);
 every sample that ends is validated by `jsonschema` (the independent checker) and by the Pydantic
-model itself. The suite draws 3 per model (102 documents, ~20 s); the issue's 50 per model (1,700)
+model itself (except where the schema Pydantic emits is looser than the model: `_schema_is_looser`,
+listed and counted). The suite draws 3 per model (102 documents, ~20 s); the issue's 50 per model (1,700)
 run with EDGEINFER_CORPUS_SAMPLES=50 (benchmarks/RESULTS.md has that run). A 135M model at T = 1
 sometimes runs on inside a string or a number's digits until max_tokens (measured: 17 of 340,
 all in free strings and fractions, which JSON Schema leaves unbounded); such a sample is cut, not
@@ -74,6 +75,14 @@ def test_open_ends_get_practical_defaults_and_still_validate():
         jsonschema.validate({**document, "extra": 1}, out)
 
 
+def _schema_is_looser(error: dict) -> bool:
+    """Where Pydantic's model refuses what the JSON schema it emits allows (so no constrained sampler
+    can know): RFC 3339's full-date has a year 0000, Python's date has not; a Decimal's schema is
+    `anyOf: [number, string]` without its max_digits/decimal_places, any string or number, which
+    the model then parses and bounds (decimal_parsing, decimal_whole_digits, decimal_max_places, …)."""
+    return (error["type"] == "date_parsing" and "year 0" in error["msg"]) or error["type"].startswith("decimal_")
+
+
 @pytest.mark.slow
 def test_seeded_samples_per_model_validate(f16_path):  # noqa: F811
     import jsonschema
@@ -95,7 +104,7 @@ def test_seeded_samples_per_model_validate(f16_path):  # noqa: F811
         jobs = [(m, s) for m in CORPUS for s in range(SAMPLES)]
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(sample, jobs))
-    year_zero: list[tuple[str, int]] = []
+    looser: list[tuple[str, int, str]] = []
     cut = [(model.__name__, seed) for model, seed, done in results if done.finish_reason == "length"]
     assert len(cut) <= len(results) // 8, cut
     for model, seed, done in results:
@@ -105,9 +114,9 @@ def test_seeded_samples_per_model_validate(f16_path):  # noqa: F811
         jsonschema.validate(json.loads(done.text), model.model_json_schema())
         try:
             model.model_validate_json(done.text)
-        except pydantic.ValidationError as e:  # RFC 3339's full-date has a year 0000, Python's date has not
-            if "year 0 is out of range" not in str(e):
+        except pydantic.ValidationError as e:
+            if not all(_schema_is_looser(error) for error in e.errors()):
                 raise
-            year_zero.append((model.__name__, seed))
-    print(f"{len(year_zero)} valid by the schema with a year 0000 that Pydantic's date refuses: {year_zero}")
+            looser.append((model.__name__, seed, done.text))
+    print(f"{len(looser)} valid by the schema Pydantic emits and refused by its model: {looser}")
     print(f"{len(results)} samples, {len(results) - len(cut)} ended and validated, {len(cut)} cut at {MAX_TOKENS} tokens")
