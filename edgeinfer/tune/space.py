@@ -225,5 +225,7 @@ register_method(SpeculationMethod("draft", _draft_models, fresh=True))
 register_method(SpeculationMethod("self", _self_drafts, fresh=True))
 register_method(SpeculationMethod("mtp", _heads("mtp"), fresh=True))
 register_method(SpeculationMethod("eagle3", _heads("eagle3"), fresh=True))
-# Methods other branches add to the engine join with one line each, e.g.
+# A new engine method joins with one line. `suffix` is left out on purpose: its memory would carry
+# each answer into the next measured run of the same workload and flatter it; it joins once each
+# run drafts from a fresh memory scope:
 #     register_method(SpeculationMethod("suffix", lambda ctx: [("suffix", None)]))

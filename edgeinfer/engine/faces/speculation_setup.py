@@ -40,7 +40,6 @@ __all__ = ["DraftModels", "TargetModel", "ProgressCallback", "draft_key", "Exclu
 ProgressCallback = Callable[[SpeculationProgress], None]
 # Holds the target's context for the caller alone while it is made again or linked to a head.
 Exclusive = Callable[[], contextlib.AbstractContextManager[Any]]
-_HEADS = HEAD_METHODS
 log = logging.getLogger(__name__)
 
 _FULL_PRECISION = ("F32", "F16", "BF16", "ALL_F32")
@@ -115,7 +114,7 @@ class DraftModels:
         if key in self._heads:
             return self._heads[key]
         if key not in self._runtimes:
-            what = "drafting head" if key[0] in _HEADS else "draft model"
+            what = "drafting head" if key[0] in HEAD_METHODS else "draft model"
             raise SpeculationError(f"the {what} for {spec.method} speculation was not prepared")
         return self._runtimes[key]
 
@@ -128,10 +127,10 @@ class DraftModels:
         with self._prepare_lock:
             if self._closed:
                 raise EngineClosedError("this engine is closed")
-            if self._needs_rollback(spec) or (self._key(spec) or ("",))[0] in _HEADS:
+            if self._needs_rollback(spec) or (self._key(spec) or ("",))[0] in HEAD_METHODS:
                 self._prepare_head(spec, report, exclusive)
             key = draft_key(spec)
-            if key is None or key[0] in _HEADS or key in self._runtimes:
+            if key is None or key[0] in HEAD_METHODS or key in self._runtimes:
                 return
             raise_if_cancelled(cancel, "preparing speculation")
             if key[0] == "self":
@@ -176,7 +175,7 @@ class DraftModels:
                 for h in self._heads.values():  # linked to the context that was replaced
                     h.close()
                 self._heads.clear()
-            if key is not None and key[0] in _HEADS and key not in self._heads:
+            if key is not None and key[0] in HEAD_METHODS and key not in self._heads:
                 report(SpeculationProgress("load", f"opening the {key[0]} head"))
                 if key[0] == "mtp":
                     head = open_mtp_head(self.target.name, self.target.info, rt, self._n_slots)
