@@ -119,6 +119,21 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def q4_path(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
+    """The shipped default model (Q4_1) under a file name of its own (a hard link, else a copy), so
+    that a server given it names it by that file rather than as the store's default model. At one
+    thread per worker it decodes 2.5x faster than the F16 copy (117 against 47 tok/s): tests that
+    do not compare outputs across batch shapes use it; those that do keep the F16 copy, whose
+    batched path rounds as its one-token path does."""
+    path = tmp_path_factory.mktemp("q4") / "edgeinfer-q4-path.gguf"
+    try:
+        os.link(default_model_path, path)
+    except OSError:  # another file system
+        shutil.copyfile(default_model_path, path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_engine(default_model_path: Path):
     """One engine on the default model shared by the tests that only read from it. Flash attention
     is off, as in llama-cpp-python's defaults, so its results can be compared with the binding's."""

@@ -21,7 +21,6 @@ import os
 
 import pytest
 from pydantic_corpus import CORPUS, REFUSED
-from test_batch_engine import f16_path  # noqa: F401  (the session fixture shared with the engine tests)
 
 from edgeinfer import GenerateOptions, InvalidOptionError, SamplingOptions
 
@@ -84,14 +83,14 @@ def _schema_is_looser(error: dict) -> bool:
 
 
 @pytest.mark.slow
-def test_seeded_samples_per_model_validate(f16_path):  # noqa: F811
+def test_seeded_samples_per_model_validate(default_model_path):
     import jsonschema
     import pydantic
     from concurrent.futures import ThreadPoolExecutor
 
     from edgeinfer import BatchEngine, BatchOptions
 
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=8192,
+    with BatchEngine.load(default_model_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=8192,
                           flash_attn=False) as be:
         def sample(job):
             model, seed = job

@@ -35,7 +35,7 @@ PROMPTS = [
     "Give me a word that rhymes with cat.",
 ]
 KEY = "test-key-123"
-MODEL_FILE = "edgeinfer-f16-path.gguf"  # the name the F16 fixture's file is linked under
+MODEL_FILE = "edgeinfer-test-model.gguf"  # the name a test server's model (the F16 copy or the shipped Q4_1) is linked under
 
 
 class Server:

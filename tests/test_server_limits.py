@@ -1,12 +1,15 @@
 """One request cannot kill or freeze `edgeinfer serve` (issue 45, all but grammars): durations too
 long for Python's waits, embeddings and tokenizing off the event loop in bounded pools, names and
 parameters in errors, and JSON that never carries NaN. Each case goes through the real CLI server
-in a subprocess (tests/test_server.py's Server) on an F16 copy of the default model, with every new
+in a subprocess (tests/test_server.py's Server) on the shipped default model, with every new
 flag at a non-default value; each failed before its fix (the issue's probe)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +19,6 @@ import httpx2 as httpx
 import pytest
 
 from edgeinfer.service import MAX_DURATION
-from test_batch_engine import f16_path  # noqa: F401  (the session fixture: the default model as F16)
 from test_server import MODEL_FILE, Server
 from test_server_security import assert_no_traceback
 from test_service import wait_until
@@ -45,7 +47,10 @@ def embedding(n_inputs: int, n_tokens: int) -> dict:
 
 
 class HealthProbe:
-    """GET /health again and again from a thread, keeping each answer's latency (seconds)."""
+    """GET /health every PAUSE seconds from a thread, keeping each answer's latency (seconds). (Not
+    back to back: a probe that never pauses takes a core from the server it is probing.)"""
+
+    PAUSE = 0.05
 
     def __init__(self, server: Server):
         self.latencies: list[float] = []
@@ -60,10 +65,48 @@ class HealthProbe:
                 started = time.monotonic()
                 self.statuses.add(client.get(base(server) + "/health").status_code)
                 self.latencies.append(time.monotonic() - started)
+                self._stop.wait(self.PAUSE)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=120)
+
+
+class LongCall:
+    """A POST whose client can leave while it runs: the socket is shut down (a FIN the server sees
+    at once), not only closed (a close from another thread leaves the blocked read holding the
+    connection open until the answer comes, so the server would never see the client go)."""
+
+    def __init__(self, server: Server, body: dict):
+        url = httpx.URL(base(server))
+        self._conn = http.client.HTTPConnection(url.host, url.port, timeout=600)
+        self._conn.connect()
+        self._body = json.dumps(body)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._conn.request("POST", "/v1/embeddings", self._body, {"Content-Type": "application/json"})
+            self._conn.getresponse().read()
+        except OSError:  # http.client's errors are OSErrors too: the test shut the socket
+            pass
+        finally:
+            self._done.set()
+
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def leave(self) -> None:
+        sock = self._conn.sock
+        if sock is not None and self.running():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=60)
+        self._conn.close()
 
 
 def leases(server: Server) -> int:
@@ -84,9 +127,9 @@ def get(server: Server, path: str, **kw) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def server(f16_path, tmp_path_factory):  # noqa: F811
+def server(q4_path, tmp_path_factory):
     home = tmp_path_factory.mktemp("serve-limits")
-    s = Server(f16_path, home, "--parallel", "2", "--ctx", "2048",
+    s = Server(q4_path, home, "--parallel", "2", "--ctx", "2048",
                "--keep-alive", "1e10", "--max-queue", str(MAX_QUEUE), "--max-embed-tokens", str(MAX_EMBED_TOKENS),
                "--work-timeout", "600", "--slot-save-path", str(home / "saved-slots"), "--slot-quota", "100K")
     yield s
@@ -125,32 +168,24 @@ def test_health_and_chat_answer_while_one_embedding_and_45_more_fill_the_queue(s
     while the long call still runs, and --max-queue turns the small calls beyond its places away
     with 503 queue_full (one running + MAX_QUEUE waiting per model)."""
     probe = HealthProbe(server)
-    big = httpx.Client(timeout=600)
-    outcome: list[object] = []
-
-    def long_call() -> None:
-        try:
-            outcome.append(big.post(base(server) + "/v1/embeddings", json=embedding(6, 1024)).status_code)
-        except httpx.HTTPError as e:  # closed by the test below
-            outcome.append(type(e).__name__)
-
-    caller = threading.Thread(target=long_call, daemon=True)
+    long_call = LongCall(server, embedding(6, 1024))
     try:
-        caller.start()
         wait_until(lambda: leases(server) >= 1, 60, "the long embedding to hold the model")
         small = {"model": MODEL_FILE, "input": "hello", "pooling": "mean"}
         with ThreadPoolExecutor(45) as pool:
             smalls = [pool.submit(post, server, "/v1/embeddings", small, timeout=600) for _ in range(45)]
             answer = post(server, "/v1/chat/completions", CHAT)
-            assert answer.status_code == 200 and not outcome, (answer.text, outcome)  # while the long call runs
+            assert answer.status_code == 200 and long_call.running(), answer.text  # while the long call runs
             wait_until(lambda: len(probe.latencies) >= 20, 60, "20 /health answers")
-            assert not outcome  # ... all while the long call runs (it used to get them only once it ended)
-            big.close()  # the long call's client leaves: it stops at its next decode, and the rest run
+            assert long_call.running()  # ... all while the long call runs (it used to get them only once it ended)
+            long_call.leave()  # the long call's client leaves: it stops at its next decode, and the rest run
             statuses = [f.result().status_code for f in smalls]
             refused = [f.result() for f in smalls if f.result().status_code == 503]
     finally:
-        big.close()
+        long_call.leave()
         probe.stop()
+    # the server saw the client go and stopped the call (499, nginx's "client closed request")
+    wait_until(lambda: 'endpoint="embeddings",status="499"' in server.metrics(), 60, "the long call's 499")
     latencies = sorted(probe.latencies)
     assert latencies[len(latencies) // 2] < HEALTH_MEDIAN and latencies[-1] < HEALTH_STALL, latencies
     assert probe.statuses == {200}
@@ -189,11 +224,11 @@ def test_embedding_work_is_bounded_before_it_runs(server):
 
 
 @pytest.fixture
-def impatient(f16_path, tmp_path):  # noqa: F811
+def impatient(q4_path, tmp_path):
     """--work-timeout 2 (default 60); its slot folder and quota from serve.toml's [slots]."""
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "serve.toml").write_text('[slots]\npath = "slot-files"\nquota = "64M"\n')
-    s = Server(f16_path, tmp_path / "home", "--parallel", "1", "--ctx", "1024", "--work-timeout", "2")
+    s = Server(q4_path, tmp_path / "home", "--parallel", "1", "--ctx", "1024", "--work-timeout", "2")
     yield s
     assert s.stop() == 0
     assert_no_traceback(s)
@@ -215,7 +250,7 @@ def test_work_past_its_timeout_is_a_503_and_stops(impatient):
                "a small call after the one that timed out")
 
 
-def test_sigterm_during_a_long_embedding_exits_within_the_grace(f16_path, tmp_path):  # noqa: F811
+def test_sigterm_during_a_long_embedding_exits_within_the_grace(q4_path, tmp_path):
     """SIGTERM while an embeddings call of 32 x 1,024 tokens runs used to wait for all of it (the
     call held the embedder's lock that closing the model waits for, in a worker thread the
     interpreter joins at exit). Now the call stops at its next decode after --grace, and the
@@ -223,7 +258,7 @@ def test_sigterm_during_a_long_embedding_exits_within_the_grace(f16_path, tmp_pa
     from edgeinfer.cli.serve import SHUTDOWN_MARGIN
 
     grace = 1.0
-    s = Server(f16_path, tmp_path / "home", "--parallel", "2", "--ctx", "2048", "--grace", str(grace))
+    s = Server(q4_path, tmp_path / "home", "--parallel", "2", "--ctx", "2048", "--grace", str(grace))
     outcome: list[object] = []
 
     def long_call() -> None:

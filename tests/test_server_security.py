@@ -114,6 +114,7 @@ def assert_no_traceback(server: Server) -> None:
 @pytest.fixture(scope="module")
 def guarded(f16_path, tmp_path_factory):  # noqa: F811
     """No key, one slot, one waiting place, short timeouts, one allowed extra host, one origin."""
+    # (the F16 copy: its stories at seed 4 run long enough to fill a stalled reader's buffers)
     s = Server(f16_path, tmp_path_factory.mktemp("serve-guarded"), "--parallel", "1", "--ctx", "2048",
                "--max-queue", "1", "--allowed-hosts", f"{GOOD_HOST},.lan.example", "--cors-origins", APP_ORIGIN,
                "--header-timeout", "1", "--body-timeout", "1", "--stall-timeout", "2", "--grace", "1")
@@ -123,12 +124,12 @@ def guarded(f16_path, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def keyed(f16_path, tmp_path_factory):  # noqa: F811
+def keyed(q4_path, tmp_path_factory):
     """The key from --api-key-file; at most 2 connections."""
     home = tmp_path_factory.mktemp("serve-keyed")
     key_file = home / "key.txt"
     key_file.write_text(KEY + "\n")
-    s = Server(f16_path, home, "--parallel", "1", "--ctx", "1024", "--api-key-file", str(key_file),
+    s = Server(q4_path, home, "--parallel", "1", "--ctx", "1024", "--api-key-file", str(key_file),
                "--max-connections", "2")
     yield s
     assert s.stop() == 0
@@ -249,10 +250,10 @@ def test_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_the_context_split_error_names_the_flags(f16_path, capsys):  # noqa: F811
+def test_the_context_split_error_names_the_flags(default_model_path, capsys):
     from edgeinfer.cli import main
 
-    assert main(["serve", str(f16_path), "--port", "0", "--ctx", "256", "--parallel", "64"]) == 1
+    assert main(["serve", str(default_model_path), "--port", "0", "--ctx", "256", "--parallel", "64"]) == 1
     err = capsys.readouterr().err
     assert "--ctx" in err and "--parallel" in err and "Traceback" not in err
 
@@ -527,11 +528,11 @@ def test_key_from_a_file_stays_out_of_the_process_list_and_health_says_only_ok(k
 
 
 @pytest.mark.slow
-def test_sigterm_shuts_down_like_ctrl_c(f16_path, tmp_path, monkeypatch):  # noqa: F811
+def test_sigterm_shuts_down_like_ctrl_c(q4_path, tmp_path, monkeypatch):
     """SIGTERM (what `kill`, systemd and docker send): running streams end as cancelled after
     --grace, the engine is closed, exit 0. The key comes from EDGEINFER_API_KEY."""
     monkeypatch.setenv("EDGEINFER_API_KEY", KEY)
-    s = Server(f16_path, tmp_path / "home", "--parallel", "1", "--ctx", "2048", "--grace", "1")
+    s = Server(q4_path, tmp_path / "home", "--parallel", "1", "--ctx", "2048", "--grace", "1")
     try:
         assert KEY not in cmdline(s)
         import openai

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 from test_batch_engine import f16_path  # noqa: F401  (a session fixture shared with the engine tests)
-from test_server import Server
+from test_server import MODEL_FILE, Server
 
 import edgeinfer
 
@@ -34,7 +34,7 @@ def single(f16_path):  # noqa: F811
 
 
 def ask(client, **kw):
-    return client.chat.completions.create(model="edgeinfer-f16-path.gguf",
+    return client.chat.completions.create(model=MODEL_FILE,
                                           messages=[{"role": "user", "content": PROMPT}], **kw)
 
 

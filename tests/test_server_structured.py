@@ -44,8 +44,10 @@ BAD_REQUEST_S = 5.0  # a refused constraint is answered within this (compilation
 
 
 @pytest.fixture(scope="module")
-def server(f16_path, tmp_path_factory) -> Iterator[Server]:  # noqa: F811
-    s = Server(f16_path, tmp_path_factory.mktemp("serve-structured"), "--parallel", "4", "--ctx", "8192",
+def server(q4_path, tmp_path_factory) -> Iterator[Server]:
+    # the shipped model as it is (Q4_1): no test here compares outputs across batch shapes, and at one
+    # thread per worker it decodes 2.5x faster than the F16 copy (117 against 47 tok/s)
+    s = Server(q4_path, tmp_path_factory.mktemp("serve-structured"), "--parallel", "4", "--ctx", "8192",
                "--max-tokens-limit", "512")
     yield s
     assert s.stop() == 0

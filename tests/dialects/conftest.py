@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from hub_server import HubServer, tiny_gguf
 from once_per_run import once_per_run
-from test_batch_engine import f16_path  # noqa: F401  (the session fixture: the default model as F16)
 from test_server import Server
 
 sys.path.insert(0, str(Path(__file__).parent))  # dialect_support
@@ -56,7 +55,7 @@ def dialect_hub(tmp_path_factory) -> Iterator[HubServer]:
 
 
 @pytest.fixture(scope="session")
-def dialect_server(f16_path, embedding_gguf, dialect_hub, tmp_path_factory) -> Iterator[Server]:  # noqa: F811
+def dialect_server(q4_path, embedding_gguf, dialect_hub, tmp_path_factory) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("serve-dialects")
     (home / "serve.toml").write_text(f'[models."{embedding_gguf}"]\nparallel = 1\nctx = 512\n')
     key_file = home / "key.txt"
@@ -66,7 +65,7 @@ def dialect_server(f16_path, embedding_gguf, dialect_hub, tmp_path_factory) -> I
     os.environ.pop("HF_HUB_OFFLINE", None)
     os.environ.pop("HF_TOKEN", None)
     try:
-        server = Server(f16_path, home, "--parallel", "4", "--ctx", "8192", "--max-tokens-limit", "512",
+        server = Server(q4_path, home, "--parallel", "4", "--ctx", "8192", "--max-tokens-limit", "512",
                         "--api-key-file", str(key_file), "--cors-origins", APP_ORIGIN)
     finally:
         for k, v in saved.items():

@@ -256,7 +256,7 @@ def test_embed_equals_the_embeddings_route(dialect_server):
 
 
 @pytest.mark.slow
-def test_list_show_ps_version_and_the_probe(dialect_server, f16_path):
+def test_list_show_ps_version_and_the_probe(dialect_server, q4_path):
     import datetime as dt
 
     c = client(dialect_server)
@@ -265,8 +265,8 @@ def test_list_show_ps_version_and_the_probe(dialect_server, f16_path):
     assert set(listed) == {m.id for m in openai(dialect_server).models.list().data}  # every name a request may use
     ours = listed[MODEL]
     assert (ours.details.format, ours.details.family, ours.details.quantization_level,
-            ours.details.parameter_size) == ("gguf", "llama", "F16", "135M")
-    assert ours.size == f16_path.stat().st_size and ours.modified_at is not None
+            ours.details.parameter_size) == ("gguf", "llama", "Q4_1", "135M")
+    assert ours.size == q4_path.stat().st_size and ours.modified_at is not None
     shown = c.show(MODEL)
     assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["general.parameter_count"] > 1e8
     assert "<|im_start|>" in shown.template and shown.details.family == "llama"
