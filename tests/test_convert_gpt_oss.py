@@ -311,6 +311,9 @@ def test_gguf_has_what_llama_cpp_reads_for_gpt_oss(auto):
         assert name in t, name
     assert t["blk.0.ffn_gate_inp.weight"].type_name == "F32"  # the router stays F32, as llama.cpp's converter keeps it
     assert t["blk.0.ffn_down_exps.weight"].shape == (FF, H, E)  # ggml order: {n_ff_exp, n_embd, n_expert}
+    from edgeinfer.validate import check_semantics, validate_file
+
+    check_semantics(validate_file(auto))  # what the store checks before it registers a file
 
 
 GU = "model.layers.0.mlp.experts.gate_up_proj"
@@ -326,6 +329,7 @@ GU = "model.layers.0.mlp.experts.gate_up_proj"
          rf"^mxfp4 tensor {GU}: {GU}_blocks must be uint8 \[\.\.\., rows, in/32, 16\], got F32\[4, 128, 2, 16\]$"),
         (lambda t: t.update({GU + "_blocks": ("U8", t[GU + "_blocks"][1][:3]), GU + "_scales": ("U8", t[GU + "_scales"][1][:3])}),
          rf"^tensor {GU}_blocks has shape \[3, 128, 2, 16\] but config.json implies \[4, 128, 2, 16\]$"),
+        (lambda t: t.pop(GU + "_bias"), rf"^missing tensor {GU}_bias$"),
         (lambda t: t.update({GU + "_bias": ("U8", np.zeros((4, 128), np.uint8))}),
          rf"^tensor {GU}_bias is U8\[4, 128\]; expected a 2-D F32, F16 or BF16 tensor$"),
     ],
@@ -379,3 +383,15 @@ def test_logits_match_the_numpy_forward_pass(ckpt, auto, tmp_path):
     assert err_q <= err_q8
     assert (q.argmax(1) == ref.argmax(1)).all()
     assert (f32.argmax(1) == ref.argmax(1)).all()
+
+
+@pytest.mark.parametrize("behavior", ["Isolated", "Removed"])
+def test_o200k_pre_tokenizer_is_llama_cpps_gpt_4o(behavior):
+    """gpt-oss's tokenizer.json splits Isolated; Xenova/gpt-4o's (llama.cpp's reference for the
+    name) keeps the matches of an inverted Removed split: the same pieces, as the regex matches
+    every character."""
+    from edgeinfer.convert.tokenizer import identify_pre_tokenizer
+
+    split = {"type": "Split", "pattern": {"Regex": O200K}, "behavior": behavior, "invert": behavior == "Removed"}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    assert identify_pre_tokenizer({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]}}) == "gpt-4o"

@@ -177,10 +177,11 @@ class GptOss(Architecture):
             down = stack(x + "down_proj", h, ff, 1)
             down.name = x + "down_proj.weight"  # type: ignore[union-attr]
             out[down.name] = down  # type: ignore[union-attr]
-            if x + "gate_up_proj_bias" in names:  # [E, 2I], interleaved like the weights
-                p = part(x + "gate_up_proj_bias")
-                out[x + "gate_proj.bias"], out[x + "up_proj.bias"] = (
-                    ColumnsView(x + "gate_proj.bias", p, 2, 0), ColumnsView(x + "up_proj.bias", p, 2, 1))
+            if x + "gate_up_proj_bias" not in names:  # said here: the specs know only the halves' names
+                raise ConversionError(f"missing tensor {x}gate_up_proj_bias")
+            p = part(x + "gate_up_proj_bias")  # [E, 2I], interleaved like the weights
+            out[x + "gate_proj.bias"], out[x + "up_proj.bias"] = (
+                ColumnsView(x + "gate_proj.bias", p, 2, 0), ColumnsView(x + "up_proj.bias", p, 2, 1))
         return out, used
 
     # -- metadata ----------------------------------------------------------------------------
