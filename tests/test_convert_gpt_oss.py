@@ -387,9 +387,8 @@ def test_logits_match_the_numpy_forward_pass(ckpt, auto, tmp_path):
 
 @pytest.mark.parametrize("behavior", ["Isolated", "Removed"])
 def test_o200k_pre_tokenizer_is_llama_cpps_gpt_4o(behavior):
-    """gpt-oss's tokenizer.json splits Isolated; Xenova/gpt-4o's (llama.cpp's reference for the
-    name) keeps the matches of an inverted Removed split: the same pieces, as the regex matches
-    every character."""
+    """The Isolated split of the o200k regex, or the matches an inverted Removed split keeps (a form
+    some tokenizer exports use): the same pieces, as the regex matches every character."""
     from edgeinfer.convert.tokenizer import identify_pre_tokenizer
 
     split = {"type": "Split", "pattern": {"Regex": O200K}, "behavior": behavior, "invert": behavior == "Removed"}

@@ -85,7 +85,7 @@ def _canonical_step(step: dict[str, Any]) -> tuple[Any, ...]:
         pattern = step.get("pattern") or {}
         regex = pattern.get("Regex") if isinstance(pattern, dict) else None
         if regex == _O200K_RE and step.get("behavior") == "Removed" and step.get("invert"):
-            return ("split", regex)  # Xenova/gpt-4o's form: its regex matches every character, so the same split
+            return ("split", regex)  # kept matches of an inverted Removed split: this regex matches every character
         if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
             return ("split-other", json.dumps(step, sort_keys=True))
         return ("split", regex)
