@@ -348,6 +348,8 @@ def _plan_tensors(ckpt: Checkpoint, arch: Architecture, hp: HParams, outtype: QT
     specs: dict[str, TensorSpec] = arch.tensor_specs(hp)
     name_map: gguf.TensorNameMap | None = None  # made when a spec names no GGUF tensor itself
     quantized, consumed = scheme.tensors(ckpt) if scheme is not None else ({}, set())
+    quantized, regrouped = arch.regroup(ckpt, hp, quantized)  # gpt-oss: fused expert stacks split
+    consumed |= regrouped
     present = {n for n in ckpt.names if n not in consumed} | set(quantized)
     unexpected = sorted(n for n in present if n not in specs and not arch.skip_tensor(n, hp))
     if unexpected:

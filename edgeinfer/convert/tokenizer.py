@@ -33,6 +33,12 @@ _QWEN35_RE = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o; gpt-oss's o200k_harmony): llama.cpp's "gpt-4o" (llama-vocab.cpp quotes this regex).
+_O200K_RE = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # A canonical form of each pre-tokenizer llama.cpp implements -> its `tokenizer.ggml.pre` name.
 # ("split", regex) is a Split step with behavior Isolated; ("bytelevel", use_regex) a ByteLevel
@@ -41,6 +47,7 @@ KNOWN_PRE_TOKENIZERS: dict[tuple[tuple[Any, ...], ...], str] = {
     (("split", _LLAMA3_RE), ("bytelevel", False)): "llama-bpe",
     (("split", _QWEN2_RE), ("bytelevel", False)): "qwen2",
     (("split", _QWEN35_RE), ("bytelevel", False)): "qwen35",
+    (("split", _O200K_RE), ("bytelevel", False)): "gpt-4o",
     (("digits",), ("bytelevel", True)): "smollm",
     (("bytelevel", True),): "gpt-2",
 }
@@ -77,6 +84,8 @@ def _canonical_step(step: dict[str, Any]) -> tuple[Any, ...]:
     if kind == "Split":
         pattern = step.get("pattern") or {}
         regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        if regex == _O200K_RE and step.get("behavior") == "Removed" and step.get("invert"):
+            return ("split", regex)  # kept matches of an inverted Removed split: this regex matches every character
         if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
             return ("split-other", json.dumps(step, sort_keys=True))
         return ("split", regex)
@@ -174,6 +183,9 @@ def load_vocab(folder: Path, vocab_size: int | None) -> Vocab:
     # a quarter of a second for a 50k-merge list, a tenth of the whole conversion of a small model).
     special_vocab = gguf.SpecialVocab(folder, load_merges=False, n_vocab=n)
     special_vocab.merges = _merges(model)
+    template = folder / "chat_template.jinja"  # gpt-oss ships its template alone, which older gguf releases do not read
+    if special_vocab.chat_template is None and template.is_file():
+        special_vocab.chat_template = template.read_text(encoding="utf-8")
     return Vocab(model="gpt2", pre=pre, tokens=tokens, token_types=[int(t) for t in types], special=special_vocab)
 
 

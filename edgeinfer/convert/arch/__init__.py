@@ -10,6 +10,7 @@ from typing import Any
 from ...errors import ConversionError
 from .base import Architecture, HParams, TensorSpec
 from .eagle3 import Eagle3, is_eagle3_config
+from .gpt_oss import GptOss
 from .llama import Llama
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
@@ -18,7 +19,7 @@ from .qwen35 import Qwen35
 
 __all__ = ["Architecture", "HParams", "TensorSpec", "ARCHITECTURES", "supported_architectures", "architecture_for"]
 
-_ALL: tuple[type[Architecture], ...] = (Llama, Qwen2, Qwen3, Qwen35, Eagle3)
+_ALL: tuple[type[Architecture], ...] = (Llama, Qwen2, Qwen3, Qwen35, GptOss, Eagle3)
 ARCHITECTURES: dict[str, type[Architecture]] = {name: cls for cls in _ALL for name in cls.hf_names}
 # Architectures we know and do not convert, with the reason given instead of "unsupported".
 _REFUSED: dict[str, str] = {**_QWEN35_REFUSED}

@@ -19,6 +19,7 @@ import numpy as np
 from ...errors import ConversionError
 
 if TYPE_CHECKING:
+    from ..quantized.base import QuantizedTensor
     from ..safetensors import Checkpoint
 
 __all__ = ["HParams", "Architecture", "TensorSpec"]
@@ -171,6 +172,13 @@ class Architecture:
         """Tensors computed from non-weight checkpoint entries (GGUF name -> float32 or int64 array),
         e.g. eagle3's draft-to-target vocabulary table; the entries themselves are skipped."""
         return {}
+
+    def regroup(self, ckpt: Checkpoint, hp: HParams, quantized: dict[str, QuantizedTensor]
+                ) -> tuple[dict[str, QuantizedTensor], set[str]]:
+        """Tensors read as other tensors than stored (gpt-oss's fused, interleaved expert stacks
+        split into llama.cpp's gate/up/down): the quantization scheme's tensors with these added
+        or renamed (row-streamed like them), and the stored names they consume."""
+        return quantized, set()
 
     # -- metadata ----------------------------------------------------------------------------
     def write_metadata(self, w: gguf.GGUFWriter, hp: HParams) -> None:

@@ -14,7 +14,8 @@ writes it:
     awq.py                 AWQ GEMM, 4-bit
     gptq.py                GPTQ, 2/4/8-bit, act-order
     compressed_tensors.py  compressed-tensors (pack-, int-, naive-quantized; float-quantized through fp8.py)
-    fp4.py                 NVFP4 and MXFP4 (compressed-tensors' FP4 formats, ModelOpt), carried into GGUF FP4 blocks
+    fp4.py                 NVFP4 and MXFP4 (compressed-tensors' FP4 formats, ModelOpt, transformers' mxfp4
+                           of gpt-oss), carried into GGUF FP4 blocks
     integer.py             integer weights with scales and zero points, and the GGUF blocks that hold them as they are
     base.py                what they share: parts, QuantizedTensor, QuantScheme, element decoding
     schemes.py             which scheme reads a checkpoint (a new family: a module here and its line in SCHEMES)

@@ -24,6 +24,11 @@ holds them doubled, and the scales are read halved), so carrying a tensor only m
   1/global_scale is rounded to float32 once (relative error at most 2^-24). llama.cpp applies
   `.scale` only to tensors some graphs multiply it in (`SCALED_TENSORS`); elsewhere an NVFP4 layer
   with a scale other than 1 is dequantized and written as the converter's other layers are.
+
+transformers' own `mxfp4` method (OpenAI gpt-oss: quantization_config `quant_method: mxfp4`) stores
+stacked expert weights as `<name>_blocks` uint8 [..., rows, in/32, 16] (the same nibble order) and
+`<name>_scales` uint8 [..., rows, in/32]; `StackedMXFP4Tensor` reads one as [prod(...) * rows, in],
+or every `step`-th row of it (gpt-oss interleaves its gate and up rows), into the same blocks.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ...errors import ConversionError
-from .base import DirectBlocks, QuantizedTensor, QuantScheme
+from .base import DirectBlocks, Part, QuantizedTensor, QuantScheme
 from .fp8 import FP8Tensor, fp8_to_float32
 
-__all__ = ["E2M1_VALUES", "FP4Tensor", "fp4_scheme_for", "scale_applied", "FP4_FORMATS"]
+__all__ = ["E2M1_VALUES", "FP4Tensor", "StackedMXFP4Tensor", "MXFP4Scheme", "fp4_scheme_for", "scale_applied",
+           "FP4_FORMATS"]
 
 # E2M1 code -> value (bit 3 is the sign), as the OCP MX specification and both formats define it.
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -179,6 +185,66 @@ class FP4Tensor(QuantizedTensor):
         err = float(np.abs(held - exact).max()) if held.size else 0.0
         return DirectBlocks(np.ascontiguousarray(data.reshape(rows, -1)), err)
 
+
+class StackedMXFP4Tensor(FP4Tensor):
+    """transformers' `mxfp4` weights: `blocks` uint8 [*lead, rows, G, 16] and `scales` uint8
+    [*lead, rows, G], read as the 2-D [prod(lead) * rows / step, G * 32] tensor of every `step`-th
+    row from `offset` (rows of the stack flattened: expert e's row r is row e * rows + r)."""
+
+    def __init__(self, name: str, method: str, blocks: Part, scales: Part, step: int = 1, offset: int = 0):
+        b, s = blocks.entry, scales.entry
+        QuantizedTensor.__init__(self, name, method, (0, 0), {"blocks": blocks, "scales": scales})
+        if b.dtype != "U8" or len(b.shape) < 3 or b.shape[-1] != 16:
+            raise self._bad(f"{b.name} must be uint8 [..., rows, in/32, 16], got {b.dtype}{list(b.shape)}")
+        if s.dtype not in ("U8", "F8_E8M0") or s.shape != b.shape[:-1]:
+            raise self._bad(f"{s.name} is {s.dtype}{list(s.shape)}, expected uint8 {list(b.shape[:-1])} "
+                            f"(one E8M0 scale per 16 bytes of {b.name})")
+        if b.shape[-3] % step:
+            raise self._bad(f"{b.name} has {b.shape[-3]} rows per stack, not a multiple of {step}")
+        # what FP4Tensor's reading uses; MXFP4 has no per-tensor scale
+        self.kind, self.group, self._global, self._global_raw, self._global_inverse = "mxfp4", _MXFP4_GROUP, 1.0, None, False
+        self.stack = (*b.shape[:-3], b.shape[-3] // step)  # the GGUF tensor's outer dimensions
+        self._groups, self._step, self._offset = b.shape[-2], step, offset
+        self._src_rows = math.prod(b.shape[:-2])
+        self.shape = (self._src_rows // step, self._groups * _MXFP4_GROUP)
+
+    def split(self, *names: str) -> list[StackedMXFP4Tensor]:
+        """One tensor per name, of interleaved rows: row i of the k-th is row len(names) * i + k
+        (gpt-oss: gate rows even, up rows odd)."""
+        return [StackedMXFP4Tensor(n, self.method, self.parts["blocks"], self.parts["scales"], len(names), k)
+                for k, n in enumerate(names)]
+
+    def _rows_of(self, key: str, width: int, r0: int, r1: int) -> np.ndarray:
+        a = self.parts[key].array().reshape(self._src_rows, width)
+        return a[self._offset + self._step * r0 : self._offset + self._step * r1 : self._step]
+
+    def codes(self, r0: int, r1: int) -> np.ndarray:
+        return _codes(self._rows_of("blocks", self._groups * 16, r0, r1))
+
+    def scale_bytes(self, r0: int, r1: int) -> np.ndarray:
+        return np.ascontiguousarray(self._rows_of("scales", self._groups, r0, r1))
+
+
+@dataclass
+class MXFP4Scheme(QuantScheme):
+    """transformers' `mxfp4` (gpt-oss): every `<name>_blocks` with its `<name>_scales` is one
+    StackedMXFP4Tensor named `<name>`; which names an architecture expects is its business."""
+
+    method: ClassVar[str] = "mxfp4"
+    supported: ClassVar[str] = "mxfp4 (gpt-oss *_blocks/*_scales)"
+
+    def tensors(self, ckpt: Any) -> tuple[dict[str, QuantizedTensor], set[str]]:
+        names = set(ckpt.names)
+        bases = sorted({n.rsplit("_", 1)[0] for n in names if n.endswith(("_blocks", "_scales"))})
+        out: dict[str, QuantizedTensor] = {}
+        for base in bases:
+            b, s = base + "_blocks", base + "_scales"
+            for have, need in ((b, s), (s, b)):
+                if need not in names:
+                    raise ConversionError(f"mxfp4 tensor {base}: {have} without {need}")
+            out[base] = StackedMXFP4Tensor(base, self.method, Part(ckpt.where[b], ckpt.entry(b)),
+                                           Part(ckpt.where[s], ckpt.entry(s)))
+        return out, {base + sfx for base in bases for sfx in ("_blocks", "_scales")}
 
 # -- schemes ---------------------------------------------------------------------------------------
 _NVFP4_SKIPPED = ("input_scale", "input_global_scale", "k_scale", "v_scale", "output_scale")

@@ -18,7 +18,7 @@ from ...errors import ConversionError
 from .awq import AWQScheme
 from .base import QuantScheme
 from .compressed_tensors import CompressedTensorsScheme
-from .fp4 import CompressedFP4Scheme, ModelOptScheme, fp4_scheme_for
+from .fp4 import CompressedFP4Scheme, ModelOptScheme, MXFP4Scheme, fp4_scheme_for
 from .fp8 import FP8Scheme
 from .gptq import GPTQScheme
 
@@ -32,6 +32,7 @@ SCHEMES: dict[str, type[QuantScheme]] = {
     "gptq": GPTQScheme,
     "compressed-tensors": CompressedTensorsScheme,
     "modelopt": ModelOptScheme,
+    "mxfp4": MXFP4Scheme,
 }
 SUPPORTED_METHODS = ", ".join(scheme.supported for scheme in dict.fromkeys((*SCHEMES.values(), CompressedFP4Scheme)))
 
