@@ -248,7 +248,7 @@ def test_unknown_pre_tokenizer_is_an_error(model):
     tok = json.loads((model / "tokenizer.json").read_text())
     tok["pre_tokenizer"] = {"type": "Whitespace"}
     (model / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ConversionError, match="unknown BPE pre-tokenizer.*supported: gpt-2, llama-bpe, qwen2, qwen35, smollm"):
+    with pytest.raises(ConversionError, match="unknown BPE pre-tokenizer.*supported: gpt-2, gpt-4o, llama-bpe, qwen2, qwen35, smollm"):
         convert_model(model)
 
 
