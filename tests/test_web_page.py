@@ -14,6 +14,7 @@ import pytest
 
 from test_batch_engine import f16_path  # noqa: F401  (a session fixture: the default model as F16)
 from test_server import KEY, MODEL_FILE, one_slot  # noqa: F401  (one slot, an API key: its module's fixture)
+from test_service import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -167,9 +168,11 @@ def test_stop_stops_the_reply_and_frees_the_slot(page, server):
     expect(page.locator(".message.assistant .note")).to_have_text("(stopped)")
     assert page.text_content("#stats").endswith("· stopped")
     kept = reply.text_content()
-    # the server ended it as cancelled; with its one slot free, the next message is answered
-    metrics = httpx.get(base(server) + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
-    assert re.search(r'reason="cancelled"\} [1-9]', metrics), metrics
+    # the server ends it as cancelled (at its next step after the page's fetch is aborted: the page
+    # shows "stopped" first); with its one slot free, the next message is answered
+    wait_until(lambda: re.search(r'reason="cancelled"\} [1-9]', httpx.get(
+        base(server) + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text), 30,
+        "the server to count the stopped reply as cancelled")
     settings(page, temperature="0", system="Answer in one word.", **{"max-tokens": "8"})
     send(page, "Say hi.")
     expect(page.locator(".message.assistant")).to_have_count(2)
