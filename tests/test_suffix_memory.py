@@ -240,7 +240,9 @@ def test_a_server_s_memory_outlives_a_restart_per_key_and_a_bad_file_is_one_warn
         prompt = first.chat_tokens(prompt_messages)
         plain = first.submit(prompt, greedy()).result().tokens
         first.submit(prompt, greedy("suffix", "alice")).result()
-        path = first._core.memory.keeper.path("bob")  # where bob's file would be
+        keeper = first._core.memory.keeper
+        assert keeper.path("alice").is_file()  # saved after the request, not only at the unload
+        path = keeper.path("bob")  # where bob's file would be
     path.write_bytes(MAGIC + b"\xff" * 40)  # a damaged file for bob
     with engine() as second:
         alice = second.submit(prompt, greedy("suffix", "alice")).result()

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculate", metavar="SPEC",
                    help="off (default, or the tuned profile's) | lookup | suffix | auto | auto=MODEL | draft=MODEL | "
                    "self=Q3_K_M | mtp | eagle3=MODEL | medusa=HEADS "
-                   "(output is unchanged, speed may be; suffix: continuations of earlier answers (this run's) and of the prompt; "
+                   "(output is unchanged, speed may be; suffix: continuations of earlier answers (this run's, and earlier runs' with --suffix-memory) and of the prompt; "
                    "auto=MODEL: auto may draft with MODEL where it pays; mtp: the "
                    "model's own MTP layer, e.g. Qwen3.5's; eagle3: an EAGLE-3 drafter made for the model; medusa: a file of "
                    "Medusa heads made for it, from `edgeinfer convert HEADS_FOLDER -o HEADS.gguf`)")
