@@ -261,3 +261,50 @@ def test_the_library_reports_progress_and_promotes_only_the_contenders(edgeinfer
     assert len(finalists) <= _FINALISTS and at[0], levels
     assert result.choice.level == 2 and result.choice.setup.label() in (r.setup.label() for r in at[2])
     assert result.choice.measurement.tok_s == max(r.measurement.tok_s for r in at[2])
+
+
+def test_each_measured_run_of_suffix_drafts_from_a_fresh_memory(edgeinfer_home, workload, monkeypatch):
+    """`suffix` and `auto` remember answers: measured on one loaded engine one after the other (as a
+    load key's setups are), a run must not draft from an earlier run's answer to the same prompt.
+    In-process, one load of the default model, two short requests per run: a few seconds."""
+    from edgeinfer.engine.faces.engine import Engine
+    from edgeinfer.tune.measure import LEVELS, Measurer
+    from edgeinfer.tune.space import METHODS, Setup
+    from edgeinfer.tune.workload import load_workload
+
+    assert "suffix" in METHODS
+    seen: list = []
+    chat = Engine.chat
+
+    def recording(self, *args, **kwargs):
+        gen = chat(self, *args, **kwargs)
+        seen.append(gen)
+        return gen
+
+    monkeypatch.setattr(Engine, "chat", recording)
+    store = edgeinfer.Store()
+    model = store.resolve(None)[1].ref
+    # the same speculation twice (draft_max 32 is the default), then auto: three runs on one engine
+    setups = [Setup(model, speculate="suffix"), Setup(model, speculate="suffix", draft_max=32),
+              Setup(model, speculate="auto")]
+    results = []
+    Measurer(store, load_workload(workload)).measure(setups, LEVELS[2], lambda s, m, why: results.append((s, m, why)))
+    assert [why for _s, _m, why in results] == ["", "", ""], results
+    speculating = [g for g in seen if g.options.speculation.method != "off"]  # item by item, each run's
+    # no accepted token of any run came from an earlier answer (its drafts: the prompt and its own text;
+    # how many it drafts varies a little with the cost curve the engine learns as it goes)
+    remembered = [g.done.stats.speculation.remembered for g in speculating]
+    assert remembered == [0] * 6, remembered
+    runs: dict[str, list] = {}  # scope -> the run's requests (the items in order)
+    for g in speculating:
+        runs.setdefault(g.options.speculation.memory_scope, []).append(g)
+    assert [len(r) for r in runs.values()] == [2, 2, 2], runs  # a scope per run, both its requests in it
+    first, again, _auto = runs.values()
+    assert [g.done.tokens for g in again] == [g.done.tokens for g in first]
+
+    # The control: on one scope, the same request's second answer does draft from the first's.
+    item = load_workload(workload).items[1]
+    options = item.options(edgeinfer.SpeculationOptions(method="suffix", memory_scope="one"))
+    with edgeinfer.load(model, store=store) as engine:
+        answers = [engine.chat(item.chat_messages(model), options).result() for _ in range(2)]
+    assert answers[0].stats.speculation.remembered == 0 < answers[1].stats.speculation.remembered

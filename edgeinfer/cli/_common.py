@@ -27,6 +27,7 @@ __all__ = [
     "kv_options",
     "add_placement_options",
     "placement_options",
+    "add_suffix_memory_option",
     "rpc_workers_type",
     "duration_type",
     "size_type",
@@ -118,6 +119,15 @@ def placement_options(args: argparse.Namespace) -> dict[str, object]:
     if hasattr(args, "draft_gpu_layers"):  # the commands that load draft models
         out["draft_gpu_layers"] = args.draft_gpu_layers
     return out
+
+
+def add_suffix_memory_option(p: argparse.ArgumentParser, scope: str = "") -> None:
+    """--suffix-memory: LoadOptions.suffix_memory (its default, off, is the library's)."""
+    p.add_argument("--suffix-memory", metavar="store|DIR|off",
+                   help="keep the suffix drafter's memory of earlier answers (--speculate suffix or auto) on disk, "
+                   "so a restarted " + (scope or "run") + " drafts from them: token ids only, per model file"
+                   + (" and API key" if scope else "") + ", never text; store: $EDGEINFER_HOME/cache/suffix, "
+                   "or a folder (default off: in memory only)")
 
 
 def duration_type(flag: str) -> Callable[[str], float]:

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 
 from ._common import INT32_MAX, ctx_type, common_options, int_range, threads_type, THREADS_HELP, add_kv_options, kv_options, add_placement_options, placement_options
+from ._common import add_suffix_memory_option
 from ._tuned import add_untuned_option, tuned_for
 
 __all__ = ["register"]
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=threads_type, help=THREADS_HELP)
     add_kv_options(p)
     add_placement_options(p, drafts=True)
+    add_suffix_memory_option(p, "chat")
     add_untuned_option(p)
     # Not given: the open chat keeps the cache types saved with it (a new chat: f16), or the tuned profile's.
     p.set_defaults(func=chat, kv_type=None)
@@ -53,7 +55,7 @@ def chat(args: argparse.Namespace) -> int:
     tuned = tuned_for(args.model, args.untuned)
     fields = tuned.load_fields({"n_ctx": args.ctx, "n_threads": args.threads, **kv})
     # a wrong type or name is a one-line error before the screen opens
-    options = edgeinfer.LoadOptions(**fields, **placement_options(args)).validate()
+    options = edgeinfer.LoadOptions(**fields, **placement_options(args), suffix_memory=args.suffix_memory).validate()
     tuned_kv = tuned.setup is not None and not kv
     return edgeinfer_tui.run(tuned.model, load_options=options, kv_types=options.kv_types if kv or tuned_kv else None,
                              speculation=tuned.setup.speculate if tuned.setup is not None else None)

@@ -12,7 +12,7 @@ import sys
 
 from ._common import INT32_MAX, ctx_type, add_encoding_option, add_kv_options, kv_options, argument_text, common_options, decode_bytes, int_range, threads_type, THREADS_HELP
 
-from ._common import add_placement_options, placement_options
+from ._common import add_placement_options, add_suffix_memory_option, placement_options
 from ._interactive import PrefillLine, stream_reply
 from ._tuned import add_untuned_option, tuned_for
 
@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculate", metavar="SPEC",
                    help="off (default, or the tuned profile's) | lookup | suffix | auto | auto=MODEL | draft=MODEL | "
                    "self=Q3_K_M | mtp | eagle3=MODEL | medusa=HEADS "
-                   "(output is unchanged, speed may be; suffix: continuations of earlier answers (this run's) and of the prompt; "
+                   "(output is unchanged, speed may be; suffix: continuations of earlier answers (this run's, and earlier runs' with --suffix-memory) and of the prompt; "
                    "auto=MODEL: auto may draft with MODEL where it pays; mtp: the "
                    "model's own MTP layer, e.g. Qwen3.5's; eagle3: an EAGLE-3 drafter made for the model; medusa: a file of "
                    "Medusa heads made for it, from `edgeinfer convert HEADS_FOLDER -o HEADS.gguf`)")
@@ -79,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"longest draft per step (default {edgeinfer.DEFAULT_SPECULATION.draft_max})")
     p.add_argument("--draft-min", type=int_range(0, INT32_MAX),
                    help=f"shortest draft worth verifying (default {edgeinfer.DEFAULT_SPECULATION.draft_min})")
+    add_suffix_memory_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_untuned_option(p)
     p.set_defaults(func=run, kv_type=None)  # unset --kv-type: the tuned profile's, else f16
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         **_constraint(args),
     ).validate()
     load = edgeinfer.LoadOptions(**tuned.load_fields({"n_ctx": args.ctx, "n_threads": args.threads, **kv_options(args)}),
-                                 **placement_options(args)).validate()
+                                 **placement_options(args), suffix_memory=args.suffix_memory).validate()
     with edgeinfer.load(tuned.model, load) as engine:
         if args.ctx is not None and engine.n_ctx != args.ctx:
             print(f"edgeinfer: note: context of {args.ctx} tokens rounded to {engine.n_ctx} by llama.cpp", file=sys.stderr)

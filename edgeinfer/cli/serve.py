@@ -15,9 +15,10 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
-from ._common import add_placement_options, common_options, ctx_type, duration_type, int_range, placement_options, size_type, THREADS_HELP, threads_type
+from ._common import add_placement_options, add_suffix_memory_option, common_options, ctx_type, duration_type, int_range, placement_options, size_type, THREADS_HELP, threads_type
 from ._tuned import add_untuned_option, tuned_for
 
 __all__ = ["register"]
@@ -86,6 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "sequence per slot; suffix and auto draft from earlier answers, one memory per API key); a request may "
                    "turn it off or choose lookup or suffix with the extra body field "
                    "'speculation' (default: serve.toml's, else off)")
+    add_suffix_memory_option(p, "server")  # every model's ([defaults]' suffix_memory) and the default model's
     many = p.add_argument_group("models by name")
     many.add_argument("--keep-alive", type=duration_type("--keep-alive"), default=DEFAULT_KEEP_ALIVE, metavar="DURATION",
                       help="how long a model stays loaded after its last request: seconds or 30s / 5m / 1h; 0 "
@@ -233,7 +235,10 @@ def _service_options(args: argparse.Namespace, store):  # noqa: ANN001, ANN202 -
         parallel=args.parallel, ctx=args.ctx, threads=args.threads, kv_type=args.kv_type,
         kv_unified=args.kv_unified, speculate=args.speculate, gpu_layers=placement.get("n_gpu_layers"), rpc=placement.get("rpc"),
         tensor_split=placement.get("tensor_split"), draft_gpu_layers=placement.get("draft_gpu_layers"),
+        suffix_memory=args.suffix_memory,
     ).validate()
+    if args.suffix_memory is not None:  # a server's memory is every model's: over [defaults] too
+        defaults = replace(defaults, suffix_memory=args.suffix_memory)
     preloads = {args.model or ""} | set(args.preload)
     if len(preloads) > args.max_loaded:
         raise edgeinfer.InvalidOptionError(f"{len(preloads)} models to load at start (the default and --preload) "

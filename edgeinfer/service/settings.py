@@ -9,6 +9,7 @@ checked by hand, strictly (`read_settings_file`):
     kv_type = "q8_0"                        # also kv_type_k, kv_type_v, flash_attn, kv_unified
     speculate = "lookup"                    # as --speculate
     keep_alive = "10m"                      # seconds or 30s / 5m / 1h; 0; -1 = for ever
+    suffix_memory = "store"                 # as --suffix-memory: "store", an absolute folder, or "off"
     alias = ["fast"]                        # more names a request may use
     # threads, batch, gpu_layers, draft_gpu_layers, rpc, tensor_split: as the serve flags
     [slots]                                 # the server's slot files (llama-server's --slot-save-path)
@@ -74,11 +75,12 @@ class ModelSettings:
     speculate: str | None = None  # off | lookup | suffix | auto | auto=MODEL | draft=MODEL | self=QUANT
     keep_alive: float | None = None  # seconds; 0: unload after each request; -1: for ever
     alias: tuple[str, ...] = ()
+    suffix_memory: str | None = None  # LoadOptions.suffix_memory: "store", a folder, "off"
 
     _LOAD: ClassVar[dict[str, str]] = {"ctx": "n_ctx", "batch": "n_batch", "threads": "n_threads", "kv_type": "kv_type",
              "kv_type_k": "kv_type_k", "kv_type_v": "kv_type_v", "flash_attn": "flash_attn",
              "gpu_layers": "n_gpu_layers", "draft_gpu_layers": "draft_gpu_layers", "rpc": "rpc",
-             "tensor_split": "tensor_split"}
+             "tensor_split": "tensor_split", "suffix_memory": "suffix_memory"}
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any], where: str) -> ModelSettings:
@@ -95,10 +97,14 @@ class ModelSettings:
             if key in ("parallel", "ctx", "batch", "threads"):
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise InvalidOptionError(f"{where}: {key} must be an integer, got {v!r}")
-            elif key in ("kv_type", "kv_type_k", "kv_type_v", "speculate"):
+            elif key in ("kv_type", "kv_type_k", "kv_type_v", "speculate", "suffix_memory"):
                 if not isinstance(v, str):
                     raise InvalidOptionError(f"{where}: {key} must be a string, got {v!r}")
-                v = v.lower() if key != "speculate" else v
+                v = v.lower() if key not in ("speculate", "suffix_memory") else v
+                if key == "suffix_memory" and v.strip().lower() not in ("store", "off") \
+                        and not Path(v).expanduser().is_absolute():  # (relative to what? the server's cwd is no answer)
+                    raise InvalidOptionError(f"{where}: suffix_memory must be 'store', 'off' or an absolute folder, "
+                                             f"got {v!r}")
             elif key in ("flash_attn", "kv_unified"):
                 if not isinstance(v, bool):
                     raise InvalidOptionError(f"{where}: {key} must be true or false, got {v!r}")

@@ -9,6 +9,10 @@ did to sample its first token): its time is that prompt time plus its own decode
 whose drafter keeps a cache of its own (a draft model, a head) is measured from empty caches
 instead, drafter included, as a new request would be (`SpeculationMethod.fresh`).
 
+Each measured run of a setup (a setup on the workload at one level) drafts from a memory scope of
+its own (SpeculationOptions.memory_scope), never used before: `suffix` and `auto` remember answers,
+and a run that drafted from another run's answers to the same prompts would be flattered.
+
 A workload's speed is the generated tokens over the whole time of its requests (prompt and answer):
 a long prompt read slowly costs a setup what it costs its user. Answers are greedy, so every
 setup of one quant writes the same tokens (speculation is lossless).
@@ -19,12 +23,13 @@ answers, 1 every request and 48 tokens, 2 the whole workload.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..engine.core.options import SpeculationOptions
@@ -148,6 +153,10 @@ class Measurer:
         self.loads: list[tuple[int, float]] = []
         self.prompts: list[tuple[int, int, float]] = []
         self.tokens: list[tuple[int, float]] = []
+        # Memory scopes of the measured runs: a prefix of this measurer's own (were an engine's memory
+        # ever kept on disk, another tune's runs would not find theirs) and a run's number.
+        self._scope_prefix = f"tune-{os.urandom(6).hex()}"
+        self._runs = itertools.count()
 
     def estimate(self, setups: Sequence[Setup], level: Level) -> float:
         """Seconds measuring `setups` (one load key) at `level` should take, from what loads, prompts
@@ -216,9 +225,10 @@ class Measurer:
         fresh = [s for s in setups if s.speculate == "off" or METHODS[s.speculation().method].fresh]
         after_prompt = [s for s in setups if s not in fresh]
         times: dict[str, list[ItemTime]] = {s.key: [] for s in setups}
+        scopes = {s.key: f"{self._scope_prefix}-{next(self._runs)}" for s in setups}  # one fresh scope a run
         prompt_s = self.prompt_s.setdefault(setups[0].load_key, {})
         try:
-            self._items(engine, setups, level, model, fresh, after_prompt, times, prompt_s, remeasure)
+            self._items(engine, setups, level, model, fresh, after_prompt, times, prompt_s, remeasure, scopes)
         except _Stopped:
             pass
         for s in setups:
@@ -230,7 +240,10 @@ class Measurer:
 
     def _items(self, engine: Engine, setups: list[Setup], level: Level, model: Any, fresh: list[Setup],
                after_prompt: list[Setup], times: dict[str, list[ItemTime]], prompt_s: dict[str, float],
-               remeasure: bool) -> None:
+               remeasure: bool, scopes: dict[str, str]) -> None:
+        def spec(s: Setup) -> SpeculationOptions:
+            return replace(s.speculation(), memory_scope=scopes[s.key])
+
         for item in level.items(self.workload):
             if self.stop():
                 break
@@ -238,7 +251,7 @@ class Measurer:
             n = level.tokens(item)
             for s in fresh:
                 engine.reset()
-                t = self._run(engine, messages, item.options(s.speculation(), n))
+                t = self._run(engine, messages, item.options(spec(s), n))
                 times[s.key].append(t)
                 if s.speculate == "off":
                     prompt_s[item.name] = t.ttft_s
@@ -250,7 +263,7 @@ class Measurer:
                     prompt_s[item.name] = t.ttft_s
                     self._observe(setups[0], item, t)
                 for s in after_prompt:
-                    t = self._run(engine, messages, item.options(s.speculation(), n))
+                    t = self._run(engine, messages, item.options(spec(s), n))
                     times[s.key].append(ItemTime(prompt_s[item.name], t.decode_s, t.generated, t.drafted, t.accepted))
                     self._observe(s, None, t)
 

@@ -225,7 +225,6 @@ register_method(SpeculationMethod("draft", _draft_models, fresh=True))
 register_method(SpeculationMethod("self", _self_drafts, fresh=True))
 register_method(SpeculationMethod("mtp", _heads("mtp"), fresh=True))
 register_method(SpeculationMethod("eagle3", _heads("eagle3"), fresh=True))
-# A new engine method joins with one line. `suffix` is left out on purpose: its memory would carry
-# each answer into the next measured run of the same workload and flatter it; it joins once each
-# run drafts from a fresh memory scope:
-#     register_method(SpeculationMethod("suffix", lambda ctx: [("suffix", None)]))
+# suffix remembers answers: each measured run drafts from a fresh memory scope of its own
+# (measure.py), so no run drafts from another's answers to the same prompts. A new method: one line.
+register_method(SpeculationMethod("suffix", lambda ctx: [("suffix", None)]))

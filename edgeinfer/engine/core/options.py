@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from ...errors import InvalidOptionError
@@ -82,6 +83,10 @@ class LoadOptions:
     # GPUs); () = as many on the devices as n_gpu_layers says, split by their free memory.
     tensor_split: tuple[float, ...] = ()
     draft_gpu_layers: int | str | None = None  # a draft model's n_gpu_layers; None: the same as the target's
+    # The suffix drafter's memory of earlier answers kept on disk (token ids per model file and
+    # scope, speculation/suffix_file.py): "store" ($EDGEINFER_HOME/cache/suffix), a folder, or
+    # None / "off": in memory only, gone when the model unloads.
+    suffix_memory: str | os.PathLike[str] | None = None
 
     def draft_options(self, n_ctx: int | None = None) -> LoadOptions:
         """The LoadOptions of a draft model (draft=, self=, auto=) loaded beside this target: its
@@ -98,6 +103,15 @@ class LoadOptions:
         from ...fit import load_placement
 
         return load_placement(ll, path, self)
+
+    def suffix_folder(self, store_root: str | os.PathLike[str]) -> Path | None:
+        """Where the suffix memory is kept (`suffix_memory`), given the store's root; None: not kept."""
+        setting = self.suffix_memory
+        if setting is None or (isinstance(setting, str) and setting.strip().lower() == "off"):
+            return None
+        if isinstance(setting, str) and setting.strip().lower() == "store":
+            return Path(store_root) / "cache" / "suffix"
+        return Path(setting).expanduser()
 
     @property
     def kv_types(self) -> tuple[str, str]:
@@ -122,6 +136,16 @@ class LoadOptions:
                 _instance("", name, getattr(self, name), str, "a string or None")
         kv_cache_type(self.kv_type)
         flash_attn_for(*self.kv_types, self.flash_attn)  # unknown types; quantized V with flash attention off
+        _instance("", "suffix_memory", self.suffix_memory, (str, os.PathLike, type(None)),
+                  "'store', 'off', a folder or None")
+        if isinstance(self.suffix_memory, str) and not self.suffix_memory.strip():
+            raise InvalidOptionError("suffix_memory must be 'store', 'off' or a folder, got an empty string")
+        given = self.suffix_memory is not None and not (
+            isinstance(self.suffix_memory, str) and self.suffix_memory.strip().lower() in ("store", "off"))
+        if given:  # a folder: it may be missing (made at the first save), not be a file
+            folder = Path(self.suffix_memory).expanduser()  # type: ignore[arg-type]
+            if folder.exists() and not folder.is_dir():
+                raise InvalidOptionError(f"suffix_memory: {folder} is not a folder")
         from ...devices import check_placement
 
         check_placement(self.n_gpu_layers, self.rpc, self.tensor_split, self.draft_gpu_layers)

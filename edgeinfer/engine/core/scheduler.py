@@ -104,7 +104,7 @@ class Scheduler:
     def __init__(self, runtime: LlamaRuntime, n_slots: int, costs: CostModel, *,
                  drafts: DraftSource | None = None, abortable: bool = False, margin: float = 0.03,
                  draft_max_rows: int = 64, max_backlog: int | None = None, prefill_chunk: int | None = None,
-                 heads: HeadSource | None = None, decode_wait: float = 0.0):
+                 heads: HeadSource | None = None, decode_wait: float = 0.0, memory: SuffixMemory | None = None):
         self.runtime = runtime
         self.slots = [Slot(i, KVSequence(runtime, i)) for i in range(n_slots)]
         self.slot_ctx = runtime.n_ctx // n_slots
@@ -127,8 +127,9 @@ class Scheduler:
         self.active: list[RequestState] = []  # in admission order: prompts are fed first come, first served
         self.counters = StepCounters()
         self.finished: dict[str, int] = {}
-        # Earlier answers of this model, per scope, for the suffix drafter (speculation/suffix.py).
-        self.memory = SuffixMemory()
+        # Earlier answers of this model, per scope, for the suffix drafter (speculation/suffix.py;
+        # the faces give one kept on disk when LoadOptions.suffix_memory says so).
+        self.memory = memory if memory is not None else SuffixMemory()
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, req: RequestState) -> None:
@@ -504,6 +505,7 @@ class Scheduler:
         spec = r.options.speculation
         if spec.method in _REMEMBERING and r.speculation is not None:  # (a failed request's tokens are not kept)
             self.memory.remember(spec.memory_scope, r.prompt, r.generated)
+            self.memory.save()  # to disk, when kept there: at most every keeper.interval seconds
         self.counters.generated += len(r.generated)
         self._free(r)
         r.flush()

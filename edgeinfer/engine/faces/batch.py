@@ -41,6 +41,7 @@ from ..chat.tool_parser import ToolCallParser
 from .generation import Generation
 from .loading import load_face, speculation_options
 from .speculation_setup import DraftModels, ProgressCallback, TargetModel, draft_key
+from .suffix_disk import suffix_memory
 from ..core.events import ScoredTokenEvent
 from .common import ModelFace
 from ..llama.flash_choice import with_measured_flash_attn
@@ -163,7 +164,8 @@ class BatchEngine(ModelFace):
                                margin=self.batch_options.margin,
                                draft_max_rows=self.batch_options.draft_max, max_backlog=self.batch_options.max_backlog,
                                prefill_chunk=self.batch_options.prefill_chunk,
-                               decode_wait=self.batch_options.decode_wait)
+                               decode_wait=self.batch_options.decode_wait,
+                               memory=suffix_memory(self.path, options, self.store.root, rt.facts.n_vocab))
         calibrate = self.batch_options.calibrate_when_idle and given is None and IdleCalibration.needed(costs, rt.n_batch)
         self._calibration = IdleCalibration(costs, self._core.idle_sequence) if calibrate else None
         self._cond = threading.Condition()
@@ -373,6 +375,7 @@ class BatchEngine(ModelFace):
             self._calibration.interrupt()
         self._thread.join()
         self._closed = True
+        self._core.memory.save(force=True)  # (the scheduler thread is gone; on disk only when asked)
         self._close_embedder()
         self._drafts.close()
         self._runtime.close()

@@ -17,6 +17,7 @@ from ...gguf_file import GGUFInfo
 from ...store import ModelManifest, Store
 from ..chat.tool_parser import ToolCallParser
 from .speculation_setup import DraftModels, ProgressCallback, TargetModel
+from .suffix_disk import suffix_memory
 from .common import ModelFace
 from ..llama.flash_choice import with_measured_flash_attn
 from .generation import Generation
@@ -130,7 +131,8 @@ class Engine(ModelFace):
         self._drafts = DraftModels(TargetModel(self.name, self.path, info, manifest, self.store, options),
                                    self._runtime)
         self._scheduler = Scheduler(self._runtime, 1, self._stored_costs(), drafts=self._drafts.context,
-                                    abortable=True, heads=self._drafts.heads)
+                                    abortable=True, heads=self._drafts.heads,
+                                    memory=suffix_memory(self.path, options, self.store.root, self.n_vocab))
         self._speculation = _EngineSpeculation(self._runtime, self._drafts, self._slot, self._scheduler)
         if speculation is not None:
             try:
@@ -247,6 +249,7 @@ class Engine(ModelFace):
         self._slot.close(self._free)
 
     def _free(self) -> None:
+        self._scheduler.memory.save(force=True)  # (kept on disk only when asked: LoadOptions.suffix_memory)
         self._close_embedder()
         self._drafts.close()
         self._runtime.close()

@@ -21,13 +21,20 @@ swept). Memory is bounded in tokens: the least recently used texts go first.
 `SuffixMemory` holds one corpus per scope (a server keeps one per API key, so one client's answers
 never draft for another; drafts are only proposals the target verifies, never served as text).
 It belongs to one loaded model (its scheduler) and is used from that model's scheduler thread only.
+With a `SuffixKeeper` (suffix_file.py) each scope is read from disk when it is first used and
+written back after finished requests (at most every `keeper.interval` seconds) and on `save(force=True)`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .suffix_file import SuffixKeeper
 
 __all__ = ["TokenCorpus", "SuffixMemory", "SuffixDraft", "SuffixSource", "speculate", "DEFAULT_MEMORY_TOKENS", "PROMPT_TAIL"]
 
@@ -208,19 +215,29 @@ def speculate(context: Sequence[int], corpora: Sequence[TokenCorpus], max_len: i
 class SuffixMemory:
     """One loaded model's earlier answers, a corpus per scope (an API key on a server; "" for a
     library or CLI user), bounded in tokens altogether: the least recently used scope's least
-    recently used answers go first. Used from the model's scheduler thread only."""
+    recently used answers go first. With a `keeper`, a scope's answers kept on disk are read the
+    first time the scope is used, and what changed is written back by `save`. Used from the
+    model's scheduler thread only."""
 
-    def __init__(self, max_tokens: int = DEFAULT_MEMORY_TOKENS, max_scopes: int = _MAX_SCOPES):
+    def __init__(self, max_tokens: int = DEFAULT_MEMORY_TOKENS, max_scopes: int = _MAX_SCOPES,
+                 keeper: SuffixKeeper | None = None):
         self.max_tokens = max_tokens
         self.max_scopes = max_scopes
+        self.keeper = keeper
         self.scopes: OrderedDict[str, TokenCorpus] = OrderedDict()
+        self._dirty: set[str] = set()  # scopes with answers the disk does not have yet
+        self._saved_at = float("-inf")
 
     def corpus(self, scope: str) -> TokenCorpus:
         c = self.scopes.get(scope)
         if c is None:
             c = self.scopes[scope] = TokenCorpus(self.max_tokens)
+            if self.keeper is not None:  # (read into this scope only: the file carries its scope's digest)
+                for text in self.keeper.load(scope):
+                    c.add(text)
             while len(self.scopes) > self.max_scopes:
-                self.scopes.popitem(last=False)
+                self._put_away(*self.scopes.popitem(last=False))
+            self._fit(c)
         self.scopes.move_to_end(scope)
         return c
 
@@ -234,13 +251,39 @@ class SuffixMemory:
             return
         c = self.corpus(scope)
         c.add(list(prompt[-PROMPT_TAIL:]) + list(output))
+        self._dirty.add(scope)
+        self._fit(c)
+
+    def _fit(self, c: TokenCorpus) -> None:
+        """Drop the least recently used answers (other scopes' first) while over the bound."""
         while self.size > self.max_tokens:
             victim = next(iter(self.scopes.values()))
             if len(victim.texts) <= 1 and victim is c:
                 break  # one answer larger than the bound: kept until the next
             victim.drop(next(iter(victim.texts)))
             if not victim.texts:
-                self.scopes.pop(next(iter(self.scopes)))
+                self._dirty.discard(self.scopes.popitem(last=False)[0])  # (its file keeps what it had)
+
+    def _put_away(self, scope: str, c: TokenCorpus) -> None:
+        """A scope leaving memory (too many scopes): what the disk lacks of it is written first."""
+        if self.keeper is not None and scope in self._dirty and c.texts:
+            self.keeper.save(scope, list(c.texts.values()))
+        self._dirty.discard(scope)
+
+    def save(self, force: bool = False) -> None:
+        """Write the scopes whose answers changed, unless the last save was under `keeper.interval`
+        seconds ago (`force`: now; a model unloading)."""
+        if self.keeper is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if not force and now - self._saved_at < self.keeper.interval:
+            return
+        self._saved_at = now
+        for scope in sorted(self._dirty):
+            c = self.scopes.get(scope)
+            if c is not None and c.texts:
+                self.keeper.save(scope, list(c.texts.values()))
+        self._dirty.clear()
 
 
 class SuffixSource:
