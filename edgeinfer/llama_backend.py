@@ -9,6 +9,7 @@ quantizer's per-tensor progress). Nothing is printed to stderr by llama.cpp itse
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import ctypes
@@ -112,6 +113,10 @@ def _on_log(level: int, text: bytes | None, _user: Any) -> None:
             except Exception:  # noqa: BLE001 - a sink's own error handling is its business
                 _logger.debug("a llama.cpp log sink raised", exc_info=True)
         _to_logger(level, message)
+    except KeyboardInterrupt:
+        # A Ctrl-C that lands in this callback would be dropped with it (tune once finished normally
+        # after one): raise it again in the main thread, once control is back in Python.
+        _thread.interrupt_main()
     except BaseException:  # noqa: BLE001
         pass
 

@@ -47,3 +47,19 @@ def test_minus_vv_shows_llama_cpp_log_lines_and_no_flag_does_not(tmp_path: Path)
     for r in (quiet, one_v):  # -v shows edgeinfer's diagnostics, not llama.cpp's log
         assert _llama_cpp_lines(r.stderr) == [], r.stderr[-2000:]
         assert "llama_model_loader" not in r.stderr and "llama_context" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_ctrl_c_inside_llama_cpps_log_callback_is_raised_again_in_python():
+    """ctypes drops what a callback raises: a Ctrl-C that arrived while llama.cpp's log line was
+    being handled used to vanish (a `tune` then finished as if never interrupted). It is raised
+    again in the main thread once control is back in Python."""
+    import time
+
+    from edgeinfer import llama_backend
+
+    def interrupted(_level: int, _message: str) -> None:
+        raise KeyboardInterrupt  # what the SIGINT handler does wherever the signal lands
+
+    with llama_backend.log_capture(interrupted), pytest.raises(KeyboardInterrupt):
+        llama_backend._on_log(2, b"a line\n", None)  # as llama.cpp calls it, through ctypes
+        time.sleep(1)  # (the interrupt arrives at the next bytecode; never reached)
