@@ -53,7 +53,8 @@ def tuned(tmp_path_factory, workload) -> tuple[Path, dict, Path]:
     and `run` shows whether it used it."""
     home = tmp_path_factory.mktemp("tuned") / "home"
     plot = home.parent / "frontier.svg"
-    r = cli(home, "tune", "--workload", str(workload), "--budget", "30s", "--methods", "lookup", "--kv-types", "q8_0",
+    r = cli(home, "tune", "--workload", str(workload), "--budget", "12s", "--methods", "lookup", "--kv-types", "q8_0",
+            "--quality-chunks", "1",
             "--json", "--plot", str(plot))
     assert r.returncode == 0, r.stderr
     return home, json.loads(r.stdout), plot
@@ -155,7 +156,7 @@ def test_a_changed_model_file_invalidates_the_profile(tmp_path, default_model_pa
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(default_model_path.read_bytes())
     edgeinfer.Store(home).register(copy, "mine", "q4_1", owned=False)
-    r = cli(home, "tune", "mine", "--workload", str(workload), "--budget", "30s", "--methods", "off", "--kv-types", "f16")
+    r = cli(home, "tune", "mine", "--workload", str(workload), "--budget", "12s", "--methods", "off", "--kv-types", "f16")
     assert r.returncode == 0, r.stderr
     assert "chose  mine:q4_1" in r.stdout and "edgeinfer: tuned: " in cli(home, "run", "mine", "hi", "-n", "2").stderr
     copy.write_bytes(default_model_path.read_bytes())  # the same bytes, written again: another file now
@@ -172,13 +173,15 @@ def test_a_quality_bound_nothing_meets_is_a_clear_error(tuned, workload):
     profile = Path(result["profile"])
     before = profile.read_bytes()
     r = cli(home, "tune", "--workload", str(workload), "--budget", "40s", "--methods", "off", "--kv-types", "q8_0",
-            "--max-kld", "0")
+            "--quality-chunks", "1", "--max-kld", "0")
     line = one_line_error(r, "no setup of smollm2-135m-instruct within")
     assert re.search(r"meets --max-kld 0: the closest is smollm2-135m-instruct:q4_1 with a q8_0 cache, KLD 0\.\d{4}", line)
     assert "screen:" not in r.stderr  # known KLDs: no speed was measured for nothing
     assert profile.read_bytes() == before  # no silent fallback: the old choice stays as it was
     one_line_error(cli(home, "tune", "--memory", "1M", "--workload", str(workload)), "fits in 0.00 GiB")
     one_line_error(cli(home, "tune", "--plot", "x.png"), "written as SVG")
+    r = cli(home, "tune", "--quality-chunks", "0")
+    assert r.returncode == 2 and "--quality-chunks: must be in [1, 64], got '0'" in r.stderr, r.stderr
     long = home.parent / "long.jsonl"
     long.write_text(json.dumps({"prompt": "word " * 6000, "max_tokens": 4}) + "\n")
     one_line_error(cli(home, "tune", "--workload", str(long), "--methods", "off", "--kv-types", "f16", "--no-save"),
@@ -203,7 +206,7 @@ def test_ctrl_c_mid_tune_keeps_the_measurements(tmp_path, workload):
     assert kept and int(kept.group(1)) >= 1 and "Traceback" not in err, err
     assert not list(home.glob("manifests/*/*.tuned"))
 
-    again = cli(home, "tune", "--workload", str(workload), "--budget", "20s", "--methods", "off,lookup", "--kv-types",
+    again = cli(home, "tune", "--workload", str(workload), "--budget", "10s", "--methods", "off,lookup", "--kv-types",
                 "f16", "--json", "--no-save")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["reused"] >= int(kept.group(1))
@@ -223,7 +226,7 @@ def test_ctrl_c_mid_tune_keeps_the_measurements(tmp_path, workload):
 
 def test_make_quantizes_rungs_and_measures_against_the_f16_copy(tmp_path, workload):
     home = tmp_path / "home"
-    r = cli(home, "tune", "--workload", str(workload), "--budget", "30s", "--make", "Q8_0", "--methods", "off",
+    r = cli(home, "tune", "--workload", str(workload), "--budget", "12s", "--make", "Q8_0", "--methods", "off", "--quality-chunks", "2",
             "--kv-types", "f16", "--json", "--no-save")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)

@@ -30,6 +30,16 @@ def _kld(text: str) -> float:
     return value
 
 
+def _chunks(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [1, 64], got {text!r}")
+    return value
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip().lower() for part in text.split(",") if part.strip())
 
@@ -51,7 +61,7 @@ def _kv_pairs(text: str) -> tuple[tuple[str, str], ...]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     import edgeinfer
-    from edgeinfer.tune import DEFAULT_BUDGET_S, KV_PAIRS
+    from edgeinfer.tune import DEFAULT_BUDGET_S, KV_PAIRS, QUALITY_CHUNKS
     from edgeinfer.tune.space import method_names
 
     p = sub.add_parser(
@@ -93,6 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "time to first token)")
     p.add_argument("--plot", metavar="FILE.svg", help="also write the picture here (it is kept beside the profile)")
     p.add_argument("--fresh", action="store_true", help="measure again what an earlier tune measured")
+    p.add_argument("--quality-chunks", type=_chunks, default=QUALITY_CHUNKS, metavar="N",
+                   help=f"chunks of 512 tokens of the evaluation text each KLD is measured on (default "
+                   f"{QUALITY_CHUNKS}; fewer is sooner, with a larger standard error)")
     p.add_argument("--no-save", action="store_true", help="do not keep the choice as the model's profile")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -126,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                                 budget=args.budget, progress=progress, make=make, exhaustive=args.exhaustive,
                                 serve=args.serve,
                                 methods=args.methods, kv_pairs=args.kv_types or KV_PAIRS, save=not args.no_save,
-                                fresh=args.fresh)
+                                fresh=args.fresh, quality_chunks=args.quality_chunks)
     except TuneInterrupted as e:
         bar.close()
         again = f"edgeinfer tune {args.model}" if args.model else "edgeinfer tune"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from .pareto import Row
 from .plot import svg, text_plot
+from .quality import QUALITY_CHUNKS
 from .profile import ProfileStatus, TunedProfile, read_profile, tuned_status
 from .space import KV_PAIRS, Setup, SpeculationMethod, register_method, untuned_setup
 from .tuner import DEFAULT_BUDGET_S, DEFAULT_MAKE_TYPES, DEFAULT_MAX_KLD, TuneProgress, TuneResult, tune
@@ -49,4 +50,5 @@ __all__ = [
     "DEFAULT_MAX_KLD",
     "DEFAULT_BUDGET_S",
     "DEFAULT_MAKE_TYPES",
+    "QUALITY_CHUNKS",
 ]

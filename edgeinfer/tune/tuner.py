@@ -26,7 +26,7 @@ from .identity import build_key, file_identity, machine_key
 from .measure import LEVELS, Measurement, Measurer
 from .pareto import Row, frontier, table_rows
 from .profile import TunedProfile, now_iso, plot_path, save_profile
-from .quality import Quality, choose_reference
+from .quality import QUALITY_CHUNKS, Quality, choose_reference
 from .search import Arm, Search, SearchEvent
 from .serving import ServeRun, choose_parallel, measure_serving
 from .space import KV_PAIRS, METHODS, Setup, SpaceContext, untuned_setup
@@ -246,6 +246,7 @@ def tune(
     kv_pairs: Sequence[tuple[str, str]] = KV_PAIRS,
     save: bool = True,
     fresh: bool = False,
+    quality_chunks: int = QUALITY_CHUNKS,
     store: Store | None = None,
 ) -> TuneResult:
     """Find the fastest setup of store model `model` (None: the default model) for `workload` (a
@@ -256,7 +257,9 @@ def tune(
     `methods` limits the speculation methods tried (default: every registered one),
     `kv_pairs` the (K, V) cache types. `exhaustive` measures every setup on the whole workload,
     whatever the budget. With `save`, the choice becomes the model's tuned profile. `fresh` ignores
-    the measurements an earlier tune kept. NoSetupError when nothing meets the bound and budget."""
+    the measurements an earlier tune kept. `quality_chunks`: chunks of 512 tokens of the evaluation
+    text a KLD is measured on (fewer: sooner, with a larger standard error). NoSetupError when nothing
+    meets the bound and budget."""
     from ..fit import available_memory, ladder as ladder_of
     from ..store import Store
 
@@ -266,6 +269,8 @@ def tune(
         raise InvalidOptionError(f"max_kld must be a number >= 0, got {max_kld!r}")
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:
         raise InvalidOptionError(f"budget must be a positive number of seconds, got {budget!r}")
+    if isinstance(quality_chunks, bool) or not isinstance(quality_chunks, int) or not 1 <= quality_chunks <= 64:
+        raise InvalidOptionError(f"quality_chunks must be a whole number in [1, 64], got {quality_chunks!r}")
     methods = tuple(methods) if methods is not None else tuple(METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -293,7 +298,7 @@ def tune(
     reference, ref_note = choose_reference(target, ladder, store)
     if ref_note:
         notes.append(ref_note)
-    quality = Quality(store, reference, on_note=lambda m: say("quality", m))
+    quality = Quality(store, reference, chunks=quality_chunks, on_note=lambda m: say("quality", m))
     arms, too_big = _arms(ladder, store, memory, methods, kv_pairs)
     if not arms:
         raise NoSetupError(f"no setup of {target.name} fits in {memory / 2**30:.2f} GiB ({too_big} need more): "
