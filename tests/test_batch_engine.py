@@ -306,7 +306,7 @@ def test_a_slow_reader_pauses_only_its_own_request(f16_path):
 
 
 @pytest.mark.slow
-def test_metrics_polled_while_eight_streams_run_and_end_never_fail(f16_path):
+def test_metrics_polled_while_eight_streams_run_and_end_never_fail(q4_path):
     """metrics() polled from another thread while 8 streams run and end one after another, ten
     times over: no call fails, and the counters add up. A thread switched out between reading a
     slot's request and using it would meet a request the scheduler has just ended; the test opens
@@ -328,7 +328,7 @@ def test_metrics_polled_while_eight_streams_run_and_end_never_fail(f16_path):
         def request(self, value):
             self.__dict__["request"] = value
 
-    with BatchEngine.load(f16_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=4096,
+    with BatchEngine.load(q4_path, batch=BatchOptions(parallel=8, calibrate_when_idle=False), n_ctx=4096,
                           flash_attn=False) as be:
         for s in be._core.slots:
             s.__class__ = PreemptedSlot
@@ -429,7 +429,7 @@ def test_close_cancels_running_requests(f16_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("decode_wait", [0.0, 0.25, 3600.0])
-def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path, decode_wait, monkeypatch):
+def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(q4_path, decode_wait, monkeypatch):
     """Continuous batching: while a 750-token prompt is prefilled (`prefill_chunk` caps what the
     cost curve's knee would give: 64 rows a step while others decode), a running request waits for
     its next token at most `decode_wait` seconds of prompt-only steps: with 0 it rides every step,
@@ -448,7 +448,7 @@ def test_a_long_prompt_enters_in_chunks_while_others_keep_decoding(f16_path, dec
 
     monkeypatch.setattr(LlamaRuntime, "decode_batch", recorded_decode)
     batch = BatchOptions(parallel=2, prefill_chunk=64, decode_wait=decode_wait)
-    with BatchEngine.load(f16_path, batch=batch, n_ctx=4096, flash_attn=False) as be:
+    with BatchEngine.load(q4_path, batch=batch, n_ctx=4096, flash_attn=False) as be:  # (compares no outputs)
         decoding = threading.Event()
 
         def read(gen) -> None:
