@@ -25,40 +25,40 @@ def _float_part(part: Part, ndim: int) -> Part:
     return part
 
 
-class ColumnsView(QuantizedTensor):
-    """Every `step`-th column from `offset` of a stored [R, C] float tensor: [R, C / step]."""
+class _Strided(QuantizedTensor):
+    """A view of every `step`-th slice from `offset` along a stored float tensor's last axis."""
 
-    def __init__(self, name: str, part: Part, step: int = 1, offset: int = 0):
-        rows, cols = _float_part(part, 2).entry.shape
-        if cols % step:
-            raise ConversionError(f"tensor {part.entry.name} has {cols} columns, not a multiple of {step}")
-        super().__init__(name, _METHOD, (rows, cols // step), {"src": part})
+    def __init__(self, name: str, part: Part, shape: tuple[int, ...], step: int, offset: int, what: str):
+        if part.entry.shape[-1] % step:
+            raise ConversionError(f"tensor {part.entry.name} has {part.entry.shape[-1]} {what}, not a multiple of {step}")
+        super().__init__(name, _METHOD, shape, {"src": part})
         self._step, self._offset = step, offset
 
     @property
     def source_bytes(self) -> int:
         return self.parts["src"].entry.n_bytes // self._step
+
+
+class ColumnsView(_Strided):
+    """Every `step`-th column from `offset` of a stored [R, C] float tensor: [R, C / step]."""
+
+    def __init__(self, name: str, part: Part, step: int = 1, offset: int = 0):
+        rows, cols = _float_part(part, 2).entry.shape
+        super().__init__(name, part, (rows, cols // step), step, offset, "columns")
 
     def rows(self, r0: int, r1: int) -> np.ndarray:
         p = self.parts["src"]
         return to_float32(np.ascontiguousarray(p.array()[r0:r1, self._offset :: self._step]), p.entry.dtype)
 
 
-class TransposedStack(QuantizedTensor):
+class TransposedStack(_Strided):
     """A stored [E, In, Out] float stack (x @ W per expert) as the [E * Out / step, In] rows of its
     transposes, keeping every `step`-th output from `offset`; `stack` is (E, Out / step)."""
 
     def __init__(self, name: str, part: Part, step: int = 1, offset: int = 0):
         experts, inp, out = _float_part(part, 3).entry.shape
-        if out % step:
-            raise ConversionError(f"tensor {part.entry.name} has {out} outputs per expert, not a multiple of {step}")
         self.stack = (experts, out // step)
-        super().__init__(name, _METHOD, (experts * out // step, inp), {"src": part})
-        self._step, self._offset = step, offset
-
-    @property
-    def source_bytes(self) -> int:
-        return self.parts["src"].entry.n_bytes // self._step
+        super().__init__(name, part, (experts * out // step, inp), step, offset, "outputs per expert")
 
     def rows(self, r0: int, r1: int) -> np.ndarray:
         p = self.parts["src"]
