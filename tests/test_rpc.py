@@ -429,11 +429,11 @@ def test_real_model_split_three_ways(workers, qwen_pair, qwen_engine):
     # machine's three-way split parted from the local run at token 11 where the top-2 margin is
     # 0.138 (off: a near-tie at token 15, 0.019). Why the split's flash path drifts: not known yet.
     # The local run is the session's engine (tests/conftest.py: flash attention off).
-    ref_prompt, reference = _greedy(qwen_engine, 32)
+    ref_prompt, reference = _greedy(qwen_engine, 16)
     for split in ((1.0, 1.0, 1.0), (1.0, 0.0, 0.0)):
         with edgeinfer.load(target, n_threads=1, n_ctx=1024, rpc=eps, tensor_split=split, flash_attn=False) as engine:
             assert sum(p.n_layers for p in last_placement(target).devices) == (0 if split[1:] == (0.0, 0.0) else 19)
-            prompt, tokens = _greedy(engine, 32)
+            prompt, tokens = _greedy(engine, 16)
             assert prompt == ref_prompt
             print(f"split {split}: ", end="")
             assert_same_or_near_tie(engine, prompt, reference, tokens)

@@ -462,13 +462,13 @@ def test_a_reader_that_stops_reading_loses_its_slot(guarded):
 
 @pytest.mark.slow
 def test_a_slow_reader_that_keeps_reading_keeps_its_stream(guarded):
-    """A client reading ~50 KB/s of a stream produced faster (~1.5 KB per token) keeps the
-    server's writes paused for seconds at a time, longer than --stall-timeout (2 s); it keeps
-    taking bytes, so it is not stalled and gets the whole answer."""
+    """A client reading ~50 KB/s of a stream produced faster (~1.5 KB per token: 150 tokens take it
+    5-8 s) keeps the server's writes paused for seconds at a time, longer than --stall-timeout (2 s);
+    it keeps taking bytes, so it is not stalled and gets the whole answer."""
     s = connect(guarded, rcvbuf=4096)
     port = own_port(s)
     body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
-                       "max_tokens": 300, "temperature": 0.8, "seed": 5, "stream": True, "logprobs": True,
+                       "max_tokens": 150, "temperature": 0.8, "seed": 5, "stream": True, "logprobs": True,
                        "top_logprobs": 20, "stop": []}).encode()
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -484,7 +484,7 @@ def test_a_slow_reader_that_keeps_reading_keeps_its_stream(guarded):
     took = time.monotonic() - start
     print(f"slow reader: {len(received) / 1024:.0f} KiB in {took:.1f} s")
     assert b"data: [DONE]" in received and b'"finish_reason": "length"' in received
-    wait_for_line(guarded, rf"127\.0\.0\.1:{port} POST /v1/chat/completions 200 length prompt=\d+ completion=300 ")
+    wait_for_line(guarded, rf"127\.0\.0\.1:{port} POST /v1/chat/completions 200 length prompt=\d+ completion=150 ")
     assert not any(f"127.0.0.1:{port} read nothing" in line for line in guarded.log)
 
 

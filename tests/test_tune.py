@@ -156,7 +156,7 @@ def test_a_changed_model_file_invalidates_the_profile(tmp_path, default_model_pa
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(default_model_path.read_bytes())
     edgeinfer.Store(home).register(copy, "mine", "q4_1", owned=False)
-    r = cli(home, "tune", "mine", "--workload", str(workload), "--budget", "12s", "--methods", "off", "--kv-types", "f16")
+    r = cli(home, "tune", "mine", "--workload", str(workload), "--budget", "6s", "--methods", "off", "--kv-types", "f16")
     assert r.returncode == 0, r.stderr
     assert "chose  mine:q4_1" in r.stdout and "edgeinfer: tuned: " in cli(home, "run", "mine", "hi", "-n", "2").stderr
     copy.write_bytes(default_model_path.read_bytes())  # the same bytes, written again: another file now
@@ -226,7 +226,7 @@ def test_ctrl_c_mid_tune_keeps_the_measurements(tmp_path, workload):
 
 def test_make_quantizes_rungs_and_measures_against_the_f16_copy(tmp_path, workload):
     home = tmp_path / "home"
-    r = cli(home, "tune", "--workload", str(workload), "--budget", "12s", "--make", "Q8_0", "--methods", "off", "--quality-chunks", "2",
+    r = cli(home, "tune", "--workload", str(workload), "--budget", "6s", "--make", "Q8_0", "--methods", "off", "--quality-chunks", "1",
             "--kv-types", "f16", "--json", "--no-save")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
