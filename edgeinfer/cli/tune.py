@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import ProgressBar, common_options, duration_type, format_bytes, print_table, size_type
+from ._common import ProgressBar, common_options, duration_type, format_bytes, int_range, print_table, size_type
 
 __all__ = ["register"]
 
@@ -27,16 +27,6 @@ def _kld(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _chunks(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 1 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"must be in [1, 64], got {text!r}")
     return value
 
 
@@ -103,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "time to first token)")
     p.add_argument("--plot", metavar="FILE.svg", help="also write the picture here (it is kept beside the profile)")
     p.add_argument("--fresh", action="store_true", help="measure again what an earlier tune measured")
-    p.add_argument("--quality-chunks", type=_chunks, default=QUALITY_CHUNKS, metavar="N",
+    p.add_argument("--quality-chunks", type=int_range(1, 64), default=QUALITY_CHUNKS, metavar="N",
                    help=f"chunks of 512 tokens of the evaluation text each KLD is measured on (default "
                    f"{QUALITY_CHUNKS}; fewer is sooner, with a larger standard error)")
     p.add_argument("--no-save", action="store_true", help="do not keep the choice as the model's profile")
