@@ -206,7 +206,7 @@ def test_ctrl_c_mid_tune_keeps_the_measurements(tmp_path, workload):
     assert kept and int(kept.group(1)) >= 1 and "Traceback" not in err, err
     assert not list(home.glob("manifests/*/*.tuned"))
 
-    again = cli(home, "tune", "--workload", str(workload), "--budget", "10s", "--methods", "off,lookup", "--kv-types",
+    again = cli(home, "tune", "--workload", str(workload), "--budget", "5s", "--methods", "off,lookup", "--kv-types",
                 "f16", "--json", "--no-save")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["reused"] >= int(kept.group(1))
