@@ -103,6 +103,17 @@ def backend() -> Any:
     return llama_cpp
 
 
+def sigint_outside_callbacks(_signum: int, frame: Any) -> None:
+    """A SIGINT handler for a process that owns its signals (the CLI): raise KeyboardInterrupt as
+    Python's default does, except at the first instructions of llama.cpp's log callback, before its
+    own guard, where ctypes would drop it (a `tune` then ran on after Ctrl-C): there, ask again,
+    to be raised once the callback has returned."""
+    if frame is not None and frame.f_code is _on_log.__code__:
+        _thread.interrupt_main()
+        return
+    raise KeyboardInterrupt
+
+
 def _on_log(level: int, text: bytes | None, _user: Any) -> None:
     # An exception cannot cross into C (ctypes would print and drop it): keep this infallible.
     try:

@@ -63,3 +63,25 @@ def test_a_ctrl_c_inside_llama_cpps_log_callback_is_raised_again_in_python():
     with llama_backend.log_capture(interrupted), pytest.raises(KeyboardInterrupt):
         llama_backend._on_log(2, b"a line\n", None)  # as llama.cpp calls it, through ctypes
         time.sleep(1)  # (the interrupt arrives at the next bytecode; never reached)
+
+
+def test_the_clis_sigint_handler_waits_out_the_log_callbacks_first_instructions():
+    """A SIGINT handled at the callback's first instructions (before its own guard) is asked for
+    again, to be raised once the callback returned; anywhere else it raises at once."""
+    import signal
+    import time
+    import types
+
+    from edgeinfer import llama_backend
+
+    in_callback = types.SimpleNamespace(f_code=llama_backend._on_log.__code__)
+    asked_again: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: asked_again.append(signum))
+    try:
+        llama_backend.sigint_outside_callbacks(signal.SIGINT, in_callback)  # returns: no raise there
+        time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert asked_again == [signal.SIGINT]  # delivered again, to the handler of wherever control is next
+    with pytest.raises(KeyboardInterrupt):
+        llama_backend.sigint_outside_callbacks(signal.SIGINT, None)

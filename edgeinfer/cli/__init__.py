@@ -13,7 +13,9 @@ import importlib
 import logging
 import os
 import pkgutil
+import signal
 import sys
+import threading
 import typing
 import warnings
 from collections.abc import Iterator, Sequence
@@ -140,10 +142,26 @@ def _warnings_as_one_line(debug: bool) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..errors import EdgeInferError
-
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Ctrl-C as Python's default handler gives it, but never lost in llama.cpp's log callback
+    # (llama_backend.sigint_outside_callbacks); the caller's handler is back when main returns.
+    owns_sigint = (threading.current_thread() is threading.main_thread()
+                   and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if owns_sigint:
+        from ..llama_backend import sigint_outside_callbacks
+
+        signal.signal(signal.SIGINT, sigint_outside_callbacks)
+    try:
+        return _run(args)
+    finally:
+        if owns_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..errors import EdgeInferError
+
     debug = bool(getattr(args, "debug", False)) or bool(os.environ.get("EDGEINFER_DEBUG"))
     try:
         with _logging_to_stderr(int(getattr(args, "verbose", 0) or 0), debug):
