@@ -104,14 +104,22 @@ class LoadOptions:
 
         return load_placement(ll, path, self)
 
+    def _suffix_keyword(self) -> str | None:
+        """The keyword `suffix_memory` names ("store", or "off", which None means too); None: a folder."""
+        setting = self.suffix_memory
+        if setting is None:
+            return "off"
+        word = setting.strip().lower() if isinstance(setting, str) else None
+        return word if word in ("store", "off") else None
+
     def suffix_folder(self, store_root: str | os.PathLike[str]) -> Path | None:
         """Where the suffix memory is kept (`suffix_memory`), given the store's root; None: not kept."""
-        setting = self.suffix_memory
-        if setting is None or (isinstance(setting, str) and setting.strip().lower() == "off"):
+        keyword = self._suffix_keyword()
+        if keyword == "off":
             return None
-        if isinstance(setting, str) and setting.strip().lower() == "store":
+        if keyword == "store":
             return Path(store_root) / "cache" / "suffix"
-        return Path(setting).expanduser()
+        return Path(self.suffix_memory).expanduser()  # type: ignore[arg-type]
 
     @property
     def kv_types(self) -> tuple[str, str]:
@@ -140,9 +148,7 @@ class LoadOptions:
                   "'store', 'off', a folder or None")
         if isinstance(self.suffix_memory, str) and not self.suffix_memory.strip():
             raise InvalidOptionError("suffix_memory must be 'store', 'off' or a folder, got an empty string")
-        given = self.suffix_memory is not None and not (
-            isinstance(self.suffix_memory, str) and self.suffix_memory.strip().lower() in ("store", "off"))
-        if given:  # a folder: it may be missing (made at the first save), not be a file
+        if self._suffix_keyword() is None:  # a folder: it may be missing (made at the first save), not be a file
             folder = Path(self.suffix_memory).expanduser()  # type: ignore[arg-type]
             if folder.exists() and not folder.is_dir():
                 raise InvalidOptionError(f"suffix_memory: {folder} is not a folder")
