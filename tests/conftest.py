@@ -35,6 +35,27 @@ os.environ.setdefault("EDGEINFER_LOAD_PROBE", "0")
 # first requests do; the tests of the calibration itself ask for it (calibrate_when_idle=True).
 os.environ.setdefault("EDGEINFER_IDLE_CALIBRATION", "0")
 
+
+def _tmpfs_temp_root(need: int = 8 << 30) -> str | None:
+    """/dev/shm when it is a writable tmpfs with `need` bytes free, else None."""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            tmpfs = any(f[1] == "/dev/shm" and f[2] == "tmpfs" for f in (line.split() for line in mounts) if len(f) > 2)
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    if not tmpfs or st.f_bavail * st.f_frsize < need or not os.access("/dev/shm", os.W_OK | os.X_OK):
+        return None
+    return "/dev/shm"
+
+
+# pytest's base temp (tmp_path, the per-run model copies) on a RAM-backed tmpfs where the machine has
+# one with room: a run writes ~10 GB of models and checkpoints, nearly all removed when their test
+# passes, and on disk the kernel wrote them back anyway (4.2 GB for four convert/quantize files), past
+# its dirty-page limit stalling the writers. PYTEST_DEBUG_TEMPROOT (pytest's own) set by you wins.
+if (_root := _tmpfs_temp_root()) is not None:
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _root)
+
 # Test files go to the xdist workers longest first, by measured time (tests/durations.json).
 from file_order import (  # noqa: E402,F401  (hooks, found here by pytest)
     pytest_addoption,

@@ -48,7 +48,7 @@ def test_imatrix_is_the_sum_of_squared_matmul_inputs(tmp_path):
     src = make_random_hf_model(tmp_path / "hf", "llama", **{**SMALL, "layers": 2}, seed=7)
     gguf_path = convert_model(src, "f32", tmp_path / "m.gguf", register=False).path
     text, ctx = _text(400), 64
-    r = compute_imatrix(gguf_path, text=text, ctx=ctx, chunks=3, output=tmp_path / "m.imatrix.gguf", n_threads=2)
+    r = compute_imatrix(gguf_path, text=text, ctx=ctx, chunks=3, output=tmp_path / "m.imatrix.gguf", n_threads=1)
     assert (r.chunks, r.ctx, r.entries) == (3, ctx, 2 * 7)
     got = read_imatrix(r.path)
     assert (got.chunk_count, got.chunk_size, got.datasets) == (3, ctx, ("text",))
@@ -272,11 +272,11 @@ def test_the_importance_matrix_lowers_the_default_models_kld(default_model_copy,
     from edgeinfer.quantize import quantize_model
 
     f16 = default_model_copy("F16")
-    im = compute_imatrix(f16, chunks=2, output=tmp_path / "cal.imatrix.gguf", n_threads=2).path
+    im = compute_imatrix(f16, chunks=2, output=tmp_path / "cal.imatrix.gguf", n_threads=1).path
     iq3_s = [(r"blk\.[0-7]\.ffn_(up|gate|down)", "IQ3_S")]
     calibrated = quantize_model(f16, "Q8_0", overrides=iq3_s, imatrix=im, tag="iq3_s-cal", n_threads=2).ref
     plain = quantize_model(f16, "Q8_0", overrides=iq3_s, imatrix=None, tag="iq3_s-none", n_threads=2).ref
-    results = {r.model: r for r in evaluate_many([calibrated, plain], f16, ctx=256, chunks=2, n_threads=2, save=False)}
+    results = {r.model: r for r in evaluate_many([calibrated, plain], f16, ctx=256, chunks=2, n_threads=1, save=False)}
     with_im, without_im = results[calibrated], results[plain]
     print(f"IQ3_S: KLD {with_im.kld:.4f} ± {with_im.kld_stderr:.4f} with the matrix, "
           f"{without_im.kld:.4f} ± {without_im.kld_stderr:.4f} without")

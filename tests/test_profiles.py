@@ -33,7 +33,7 @@ def test_every_shipped_profile_quantizes(synthetic_f16: Path, tmp_path: Path):
     from edgeinfer.quantize import QUANT_TYPES, quantize_model
 
     # the i-quant profiles need an importance matrix; a file outside the store is given one
-    imatrix = compute_imatrix(synthetic_f16, ctx=128, chunks=2, output=tmp_path / "s.imatrix.gguf", n_threads=2).path
+    imatrix = compute_imatrix(synthetic_f16, ctx=128, chunks=2, output=tmp_path / "s.imatrix.gguf", n_threads=1).path
     for name, profile in load_profiles().items():
         # balanced and long-context make the same file (the KV type applies at load): replace it.
         # Vocabulary-sized tensors the profile does not set stay F16 (copied), to keep the test fast.
