@@ -218,3 +218,44 @@ def test_measurements_from_the_journal_are_checked():
     for bad in ({**good, "tok_s": -1}, {**good, "level": 7}, {**good, "tok_s": "fast"}, {**good, "x": 1}, [good]):
         with pytest.raises(ValueError):
             Measurement.from_dict(bad)
+
+
+def test_the_defaults_run_in_the_final_rounds_and_win_when_they_are_fastest():
+    """Short runs favour two finalists that the whole workload finds slower than the untuned
+    defaults: the defaults are measured in the same alternating final rounds, and the fastest of
+    them all is the choice (measured apart, once, after the choice was made, a slower finalist was
+    kept: a tuned profile slower than none, seen in a suite run)."""
+    from edgeinfer.tune.search import Arm, Search
+
+    base = Setup("m:q4_k_m", flash_attn=True)
+    speeds = {base: (5.0, 5.0, 8.0), Setup("m:q4_k_m", flash_attn=True, speculate="lookup"): (10.0, 9.0, 6.0),
+              Setup("m:q4_k_m", flash_attn=False): (9.0, 8.5, 5.5), Setup("m:q4_k_m", flash_attn=False, speculate="lookup"): (4.0, 4.0, 4.0)}
+
+    class Measurer:
+        stop = None
+
+        def estimate(self, setups, level):
+            return 0.0
+
+        def measure(self, setups, level, on_result, remeasure):
+            for s in setups:
+                on_result(s, _m(speeds[s][level.index], level.index), "")
+
+    def known(arms):
+        for a in arms:
+            a.kld = 0.0
+
+    arms = [Arm(s, 100 << 20) for s in speeds]
+    search = Search(arms, Measurer(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, m: None,
+                    baseline=base)
+    search.run()
+    best = search.best()
+    assert best is not None and best.setup == base, [(a.setup.label(), a.results) for a in arms]
+    assert len(best.results[2]) == 2  # in both alternating rounds, as the finalists
+    # and without the fix's reason to exist: defaults slower on the whole workload are not chosen
+    speeds[base] = (5.0, 5.0, 3.0)
+    arms = [Arm(s, 100 << 20) for s in speeds]
+    search = Search(arms, Measurer(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, m: None,
+                    baseline=base)
+    search.run()
+    assert search.best().setup == Setup("m:q4_k_m", flash_attn=True, speculate="lookup")

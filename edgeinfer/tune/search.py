@@ -203,6 +203,13 @@ class Search:
         self.stage = "final"
         measured = max((a.top_level for a in self.arms if a.results and a.top_level is not None), default=0)
         finalists = self._promote(min(measured, 1), _ETA, at_least=2)[:_FINALISTS]  # from level 0 if 1 had no time
+        # The untuned defaults run in the same alternating rounds: the choice is then the fastest of
+        # them all on equal terms (measured apart, once, a slower finalist was kept over faster defaults).
+        base = next((a for a in self.arms if a.setup == self.baseline), None)
+        if base is not None and base not in finalists and base.failed is None:
+            self.check_quality([base])
+            if self._within(base):
+                finalists.append(base)
         self.measure([a for a in finalists if len(a.results.get(2, [])) < 2], LEVELS[2], reps=2, remeasure=True)
 
     def _todo(self, arms: Sequence[Arm], level: int) -> list[Arm]:

@@ -349,6 +349,7 @@ def tune(
             and not search.stopped and not exhaustive:
         search.stage = "final"  # the defaults beside the choice, for the speed-up it reports
         search.measure([baseline], LEVELS[best.top_level])
+        best = search.best() or best  # the defaults may be the fastest after all
     result = _result(target, reference, best, arms, baseline, max_kld, memory, work, started, budget, search,
                      exhaustive, reused, notes)
     if serve:
