@@ -38,6 +38,9 @@ _EXPLORE_MAX = 4
 _T1_REFRESH = 64
 _T1_MIN_GAP = 8
 _UNTRIED_DISCOUNT = 0.9
+# A run's estimates are kept by position in the run up to this many accepted tokens; deeper in a
+# copy every position is priced as this one (bounded lists).
+_RUN_DEPTH = 64
 # The most a position without evidence of its own is priced at (AcceptanceModel.pooled).
 FALLBACK_CAP = 0.98
 
@@ -268,23 +271,26 @@ class AcceptanceModel:
         return max(self.prior, min(pooled, FALLBACK_CAP))
 
     def prob(self, i: int) -> float:
+        """P(the token at position i is accepted | the ones before it were)."""
         base = self.pooled()
         if i < len(self.tries):
             return (self.hits[i] + base * self.prior_weight) / (self.tries[i] + self.prior_weight)
         # Beyond what was seen: no better than the last seen position.
         return min(base, self.prob(len(self.tries) - 1)) if self.tries else base
 
-    def update(self, n_drafted: int, n_accepted: int) -> None:
+    def update(self, n_drafted: int, n_accepted: int, start: int = 0) -> None:
+        """A draft whose first token sits at position `start` (0: the draft's own positions; a run's
+        model counts positions from the run's start, see LengthPolicy.origin)."""
         for i in range(len(self.tries)):
             self.hits[i] *= self.decay
             self.tries[i] *= self.decay
-        while len(self.tries) < n_drafted:
+        while len(self.tries) < start + n_drafted:
             self.hits.append(0.0)
             self.tries.append(0.0)
         # Positions after the first rejection were never judged.
-        for i in range(min(n_drafted, n_accepted + 1)):
+        for i in range(start, start + min(n_drafted, n_accepted + 1)):
             self.tries[i] += 1.0
-            if i < n_accepted:
+            if i < start + n_accepted:
                 self.hits[i] += 1.0
 
 
@@ -301,14 +307,18 @@ class LengthPolicy:
     """
 
     def __init__(self, costs: CostModel, opts: SpeculationOptions, margin: float = 0.03, prior: float = 0.7,
-                 max_failed_explorations: int | None = None):
+                 max_failed_explorations: int | None = None, copies: bool = False):
         self.costs = costs
+        # Drafts copied from earlier text (lookup, suffix): a run's positions count from its start
+        # (see origin). A draft model's or a head's i-th token is judged as the i-th of its draft.
+        self.copies = copies
         self.opts = opts
         self.margin = margin
         self.fresh = AcceptanceModel(prior=prior)
         self.resumed = AcceptanceModel(prior=prior)
         self.run = AcceptanceModel(prior=max(prior, 0.9))
         self.in_run = False
+        self.streak = 0  # drafted tokens accepted in a row (the current run's length)
         self.full_match = False  # this step's lookup match is full (LookupMatch.full): see model()
         # Exploration: when the estimates say "don't draft", still try a short draft now and then
         # so they can recover; the interval doubles after each failed try (overhead O(log n)).
@@ -332,6 +342,15 @@ class LengthPolicy:
         if self.in_run:
             return self.run
         return self.resumed if self.full_match else self.fresh
+
+    def origin(self) -> int:
+        """Where this step's draft starts in the estimates' positions. Inside a run: how many tokens
+        the run has accepted so far, because a copy ends where the text changes, not where a draft
+        happens to end. A draft of 31 rejected at its 14th token (a renamed name 45 tokens into the
+        copy) says the copy broke after 45, not that drafts past 14 fail: by draft position, each
+        resumed copy was priced short and ramped up again (3, 8, 15 before 31: RESULTS.md, edit-few).
+        Outside a run a draft starts a copy: position 0."""
+        return min(self.streak, _RUN_DEPTH) if self.in_run and self.copies else 0
 
     def can_pay(self, draft_cost: float, acceptance: float = 0.9) -> bool:
         """Could a drafter of this cost (in target steps per drafted token) beat plain decoding
@@ -362,10 +381,10 @@ class LengthPolicy:
     def gains(self, n: int, quality: float = 1.0) -> list[float]:
         """The expected tokens each of the first n drafted rows adds: the product of the acceptance
         estimates up to it. `quality` scales the first (a short n-gram match is weaker evidence)."""
-        m = self.model()
+        m, start = self.model(), self.origin()
         out, p = [], 1.0
         for i in range(n):
-            p *= m.prob(i) * (quality if i == 0 else 1.0)
+            p *= m.prob(start + i) * (quality if i == 0 else 1.0)
             out.append(p)
         return out
 
@@ -422,8 +441,9 @@ class LengthPolicy:
         if n_drafted <= 0:
             self._since_plain = 0
             return
-        self.model().update(n_drafted, n_accepted)
+        self.model().update(n_drafted, n_accepted, self.origin())
         self.in_run = n_accepted == n_drafted
+        self.streak = self.streak + n_accepted if self.in_run else 0
         if self.exploring:
             # Judge an exploration by what it really bought: tokens per plain-step time,
             # drafting (and a draft model catching up) included. Unprofitable: wait twice as long.

@@ -72,7 +72,7 @@ class RequestSpeculation:
         self.stats = stats
         self.method = speculation_method(spec)
         self.lookup: NgramIndex | None = NgramIndex() if spec.method in ("lookup", "auto") else None
-        self.lookup_policy = LengthPolicy(costs, spec) if self.lookup is not None else None
+        self.lookup_policy = LengthPolicy(costs, spec, copies=True) if self.lookup is not None else None
         # suffix: earlier answers (`memory`, the scope's) and the request's own text; auto: earlier
         # answers beside lookup (which reads the request's own text).
         self.suffix: SuffixSource | None = None
@@ -80,7 +80,7 @@ class RequestSpeculation:
             self.suffix = SuffixSource(memory, own=spec.method == "suffix")
         self.suffix_policy: LengthPolicy | None = None
         if self.suffix is not None:
-            self.suffix_policy = LengthPolicy(costs, spec)
+            self.suffix_policy = LengthPolicy(costs, spec, copies=True)
             # A long match (the last _FULL_SUFFIX_MATCH tokens or more agree with an earlier text) is
             # evidence like a run: the tree's frequencies scale it along the draft.
             self.suffix_policy.resumed = AcceptanceModel(prior=_FULL_SUFFIX_PRIOR)
