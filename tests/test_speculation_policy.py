@@ -169,7 +169,7 @@ def test_a_match_is_full_once_the_text_copies_its_place_again_after_an_insertion
 def test_rejected_short_matches_in_new_text_do_not_stop_drafting_where_the_copy_resumes():
     """Writing text the source does not have (a docstring the edit adds), lookup finds only short
     matches and each is rejected. Where the text copies the source again (a full match) the policy
-    drafts at once: a full match outside a run keeps estimates of its own."""
+    drafts at once: a full match is priced by the estimates inside copies, not by the short ones."""
     p = policy(QWEN_1_5B)
     p.full_match = True
     assert p.choose(16)[0] > 0  # the prior is enough to draft a full match
@@ -281,3 +281,19 @@ def test_a_draft_models_positions_count_within_each_draft():
     p.observe(4, 4, FLAT[5], 0.0)
     assert p.in_run and p.origin() == 0
     assert copying(FLAT).origin() == 0
+
+
+def test_a_full_match_resuming_a_copy_is_priced_by_how_far_copies_went():
+    """After a renamed name the text copies its source again (a full match, 8 tokens agree). Copies
+    in this text went on for 60 tokens and more, so the draft is long at once: priced by the
+    estimates inside copies at the copy's length, not by fresh prior-bound ones (which drafted 3,
+    then 8, 15 before 31 after every rename)."""
+    p = copying(FLAT)
+    for copied, k, ok in ((6, 7, 7), (14, 15, 15), (30, 31, 31), (62, 31, 27)):
+        p.full_match, p.copied = True, copied
+        p.observe(k, ok, FLAT.get(k + 1, FLAT[33]), 0.0)
+    p.full_match = False  # the renamed name: a short match, rejected
+    p.observe(3, 0, FLAT[4], 0.0)
+    p.full_match, p.copied = True, 8
+    assert not p.in_run and p.origin() == 8
+    assert p.choose(31)[0] >= 24

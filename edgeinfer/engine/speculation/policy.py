@@ -297,9 +297,9 @@ class AcceptanceModel:
 class LengthPolicy:
     """One request's drafter policy: acceptance estimates, exploration, and the draft length.
 
-    Three acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
-    span), 'resumed' outside a run when lookup's match is full (the drafter sets `full_match`),
-    'fresh' otherwise (see model()). A step is worth drafting only if its expected tokens per unit of time
+    Two acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
+    span) or when lookup's match is full (the text copies its source again: the drafter sets
+    `full_match`), 'fresh' otherwise (see model()). A step is worth drafting only if its expected tokens per unit of time
     beat a plain step by `margin` (see `plan_drafts`, which sizes every request's draft of a step
     together from the batch's cost). The priors (0.7 outside a run, 0.9 in one, worth four observations)
     were chosen by replaying recorded outputs (benchmarks/replay_speculation.py): they gain on
@@ -309,17 +309,19 @@ class LengthPolicy:
     def __init__(self, costs: CostModel, opts: SpeculationOptions, margin: float = 0.03, prior: float = 0.7,
                  max_failed_explorations: int | None = None, copies: bool = False):
         self.costs = costs
-        # Drafts copied from earlier text (lookup, suffix): a run's positions count from its start
-        # (see origin). A draft model's or a head's i-th token is judged as the i-th of its draft.
+        # Drafts copied from earlier text (lookup, suffix): a run's positions count from the copy's
+        # start (see origin). A draft model's or a head's i-th token is judged as the i-th of its draft.
         self.copies = copies
         self.opts = opts
         self.margin = margin
         self.fresh = AcceptanceModel(prior=prior)
-        self.resumed = AcceptanceModel(prior=prior)
         self.run = AcceptanceModel(prior=max(prior, 0.9))
         self.in_run = False
         self.streak = 0  # drafted tokens accepted in a row (the current run's length)
-        self.full_match = False  # this step's lookup match is full (LookupMatch.full): see model()
+        # Set by a copying drafter each step: its match is full (LookupMatch.full), and how many tokens
+        # before its place agree with the text's end (the copy's length so far): see model(), origin().
+        self.full_match = False
+        self.copied = 0
         # Exploration: when the estimates say "don't draft", still try a short draft now and then
         # so they can recover; the interval doubles after each failed try (overhead O(log n)).
         self._idle = 0
@@ -335,22 +337,24 @@ class LengthPolicy:
         self._since_plain = _T1_REFRESH
 
     def model(self) -> AcceptanceModel:
-        """The acceptance estimates for this step's evidence: inside a run; outside one with a full
-        lookup match (the text resumed copying after an insertion); or with a short match or a
-        draft model's guess. Each learns on its own, so the rejected short matches inside novel
-        text (a docstring being written) do not stop drafting where the copy resumes."""
-        if self.in_run:
-            return self.run
-        return self.resumed if self.full_match else self.fresh
+        """The acceptance estimates for this step's evidence: inside a copy (a run of fully accepted
+        drafts, or a full match: the text copies its source again after an insertion), or outside
+        one (a short match, a draft model's guess). Each learns on its own, so the rejected short
+        matches inside novel text (a docstring being written) do not stop drafting where the copy
+        resumes."""
+        return self.run if self.in_run or self.full_match else self.fresh
 
     def origin(self) -> int:
-        """Where this step's draft starts in the estimates' positions. Inside a run: how many tokens
-        the run has accepted so far, because a copy ends where the text changes, not where a draft
-        happens to end. A draft of 31 rejected at its 14th token (a renamed name 45 tokens into the
-        copy) says the copy broke after 45, not that drafts past 14 fail: by draft position, each
-        resumed copy was priced short and ramped up again (3, 8, 15 before 31: RESULTS.md, edit-few).
-        Outside a run a draft starts a copy: position 0."""
-        return min(self.streak, _RUN_DEPTH) if self.in_run and self.copies else 0
+        """Where this step's draft starts among the estimates' positions. In a copy (a copying
+        drafter's run or full match): how long the copy has gone on (the tokens its run accepted,
+        or the drafter's agreement, if longer), because a copy ends where the text changes, not
+        where a draft happens to end. A draft of 31 rejected at its 14th token, 55 tokens into a
+        copy (a renamed name), says copies break after 55, not that drafts break after 14: by
+        draft position, each resumed copy was priced short and ramped up again (3, 8, 15 before 31:
+        RESULTS.md, edit-few). Otherwise a draft's positions are its own."""
+        if not self.copies or not (self.in_run or self.full_match):
+            return 0
+        return min(max(self.streak, self.copied), _RUN_DEPTH)
 
     def can_pay(self, draft_cost: float, acceptance: float = 0.9) -> bool:
         """Could a drafter of this cost (in target steps per drafted token) beat plain decoding
