@@ -169,7 +169,7 @@ def test_a_match_is_full_once_the_text_copies_its_place_again_after_an_insertion
 def test_rejected_short_matches_in_new_text_do_not_stop_drafting_where_the_copy_resumes():
     """Writing text the source does not have (a docstring the edit adds), lookup finds only short
     matches and each is rejected. Where the text copies the source again (a full match) the policy
-    drafts at once: a full match outside a run keeps estimates of its own."""
+    drafts at once: a full match is priced by the estimates inside copies, not by the short ones."""
     p = policy(QWEN_1_5B)
     p.full_match = True
     assert p.choose(16)[0] > 0  # the prior is enough to draft a full match
@@ -231,3 +231,69 @@ def test_a_position_not_tried_lately_is_priced_on_fresh_evidence():
     w = rejecting.prior_weight
     assert rejecting.prob(1) == pytest.approx((rejecting.hits[1] + 0.7 * w) / (rejecting.tries[1] + w))
     assert rejecting.prob(1) < 0.3
+
+
+# This VM's flatter curve (the 1.5B at depth ~640, RESULTS.md "The policy replayed on the 1.5B"):
+# 32 rows cost ~5 one-token steps, so a long copy pays drafted 31 at a time.
+FLAT = {b: b / tok_s for b, tok_s in {1: 16.2, 2: 25.9, 3: 34.7, 4: 43.2, 5: 47.6, 8: 61.7, 9: 63.0, 16: 83.6,
+                                      17: 80.0, 32: 101.6, 33: 98.0}.items()}
+
+
+def copying(curve: dict[int, float]) -> LengthPolicy:
+    p = LengthPolicy(CostModel(curve), SpeculationOptions(method="lookup"), copies=True)
+    assert p.choose(32)[0] == 0
+    p.observe(0, 0, curve[1], 0.0)
+    return p
+
+
+def test_a_copy_broken_deep_in_is_drafted_long_again_once_it_resumes():
+    """A copy of a file with a name renamed every ~50 tokens: a 31-token draft is rejected at its
+    14th token, 55 tokens into the copy. That says the copy broke after 55 tokens, not that drafts
+    break after 14: once the next copy runs (a resumed full match of 6, all accepted), it is drafted
+    31 long at once instead of ramping up from ~14 again (edit-few, RESULTS.md)."""
+    p = copying(FLAT)
+    for k, ok in ((3, 3), (11, 11), (27, 27), (31, 14)):
+        p.observe(k, ok, FLAT.get(k + 1, FLAT[33]), 0.0)
+    p.full_match = True
+    p.observe(6, 6, FLAT[8] * 0.9, 0.0)
+    assert p.in_run and p.origin() == 6
+    assert p.choose(31)[0] >= 28
+
+
+def test_copies_that_break_at_the_same_depth_are_drafted_short_of_it():
+    """Lines copied with a docstring inserted every ~20 tokens: runs end 20 tokens in, so a run
+    that has accepted 6 drafts about what is left of it, not 31."""
+    p = copying(FLAT)
+    for _ in range(6):
+        p.full_match = True
+        p.observe(6, 6, FLAT[8] * 0.9, 0.0)
+        k = p.choose(31)[0]
+        p.observe(k, min(k, 14), FLAT.get(k + 1, FLAT[33]), 0.0)
+    p.full_match = True
+    p.observe(6, 6, FLAT[8] * 0.9, 0.0)
+    assert 8 <= p.choose(31)[0] <= 16
+
+
+def test_a_draft_models_positions_count_within_each_draft():
+    """A draft model's or a head's i-th token is judged as the i-th of its draft, run or not."""
+    p = LengthPolicy(CostModel(FLAT), SpeculationOptions(method="draft"))
+    p.observe(0, 0, FLAT[1], 0.0)
+    p.observe(4, 4, FLAT[5], 0.0)
+    assert p.in_run and p.origin() == 0
+    assert copying(FLAT).origin() == 0
+
+
+def test_a_full_match_resuming_a_copy_is_priced_by_how_far_copies_went():
+    """After a renamed name the text copies its source again (a full match, 8 tokens agree). Copies
+    in this text went on for 60 tokens and more, so the draft is long at once: priced by the
+    estimates inside copies at the copy's length, not by fresh prior-bound ones (which drafted 3,
+    then 8, 15 before 31 after every rename)."""
+    p = copying(FLAT)
+    for copied, k, ok in ((6, 7, 7), (14, 15, 15), (30, 31, 31), (62, 31, 27)):
+        p.full_match, p.copied = True, copied
+        p.observe(k, ok, FLAT.get(k + 1, FLAT[33]), 0.0)
+    p.full_match = False  # the renamed name: a short match, rejected
+    p.observe(3, 0, FLAT[4], 0.0)
+    p.full_match, p.copied = True, 8
+    assert not p.in_run and p.origin() == 8
+    assert p.choose(31)[0] >= 24

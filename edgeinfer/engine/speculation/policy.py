@@ -38,6 +38,9 @@ _EXPLORE_MAX = 4
 _T1_REFRESH = 64
 _T1_MIN_GAP = 8
 _UNTRIED_DISCOUNT = 0.9
+# A run's estimates are kept by position in the run up to this many accepted tokens; deeper in a
+# copy every position is priced as this one (bounded lists).
+_RUN_DEPTH = 64
 # The most a position without evidence of its own is priced at (AcceptanceModel.pooled).
 FALLBACK_CAP = 0.98
 
@@ -268,32 +271,35 @@ class AcceptanceModel:
         return max(self.prior, min(pooled, FALLBACK_CAP))
 
     def prob(self, i: int) -> float:
+        """P(the token at position i is accepted | the ones before it were)."""
         base = self.pooled()
         if i < len(self.tries):
             return (self.hits[i] + base * self.prior_weight) / (self.tries[i] + self.prior_weight)
         # Beyond what was seen: no better than the last seen position.
         return min(base, self.prob(len(self.tries) - 1)) if self.tries else base
 
-    def update(self, n_drafted: int, n_accepted: int) -> None:
+    def update(self, n_drafted: int, n_accepted: int, start: int = 0) -> None:
+        """A draft whose first token sits at position `start` (0: the draft's own positions; a run's
+        model counts positions from the run's start, see LengthPolicy.origin)."""
         for i in range(len(self.tries)):
             self.hits[i] *= self.decay
             self.tries[i] *= self.decay
-        while len(self.tries) < n_drafted:
+        while len(self.tries) < start + n_drafted:
             self.hits.append(0.0)
             self.tries.append(0.0)
         # Positions after the first rejection were never judged.
-        for i in range(min(n_drafted, n_accepted + 1)):
+        for i in range(start, start + min(n_drafted, n_accepted + 1)):
             self.tries[i] += 1.0
-            if i < n_accepted:
+            if i < start + n_accepted:
                 self.hits[i] += 1.0
 
 
 class LengthPolicy:
     """One request's drafter policy: acceptance estimates, exploration, and the draft length.
 
-    Three acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
-    span), 'resumed' outside a run when lookup's match is full (the drafter sets `full_match`),
-    'fresh' otherwise (see model()). A step is worth drafting only if its expected tokens per unit of time
+    Two acceptance states: 'run' after a step whose drafts were all accepted (inside a copied
+    span) or when lookup's match is full (the text copies its source again: the drafter sets
+    `full_match`), 'fresh' otherwise (see model()). A step is worth drafting only if its expected tokens per unit of time
     beat a plain step by `margin` (see `plan_drafts`, which sizes every request's draft of a step
     together from the batch's cost). The priors (0.7 outside a run, 0.9 in one, worth four observations)
     were chosen by replaying recorded outputs (benchmarks/replay_speculation.py): they gain on
@@ -301,15 +307,21 @@ class LengthPolicy:
     """
 
     def __init__(self, costs: CostModel, opts: SpeculationOptions, margin: float = 0.03, prior: float = 0.7,
-                 max_failed_explorations: int | None = None):
+                 max_failed_explorations: int | None = None, copies: bool = False):
         self.costs = costs
+        # Drafts copied from earlier text (lookup, suffix): a run's positions count from the copy's
+        # start (see origin). A draft model's or a head's i-th token is judged as the i-th of its draft.
+        self.copies = copies
         self.opts = opts
         self.margin = margin
         self.fresh = AcceptanceModel(prior=prior)
-        self.resumed = AcceptanceModel(prior=prior)
         self.run = AcceptanceModel(prior=max(prior, 0.9))
         self.in_run = False
-        self.full_match = False  # this step's lookup match is full (LookupMatch.full): see model()
+        self.streak = 0  # drafted tokens accepted in a row (the current run's length)
+        # Set by a copying drafter each step: its match is full (LookupMatch.full), and how many tokens
+        # before its place agree with the text's end (the copy's length so far): see model(), origin().
+        self.full_match = False
+        self.copied = 0
         # Exploration: when the estimates say "don't draft", still try a short draft now and then
         # so they can recover; the interval doubles after each failed try (overhead O(log n)).
         self._idle = 0
@@ -325,13 +337,24 @@ class LengthPolicy:
         self._since_plain = _T1_REFRESH
 
     def model(self) -> AcceptanceModel:
-        """The acceptance estimates for this step's evidence: inside a run; outside one with a full
-        lookup match (the text resumed copying after an insertion); or with a short match or a
-        draft model's guess. Each learns on its own, so the rejected short matches inside novel
-        text (a docstring being written) do not stop drafting where the copy resumes."""
-        if self.in_run:
-            return self.run
-        return self.resumed if self.full_match else self.fresh
+        """The acceptance estimates for this step's evidence: inside a copy (a run of fully accepted
+        drafts, or a full match: the text copies its source again after an insertion), or outside
+        one (a short match, a draft model's guess). Each learns on its own, so the rejected short
+        matches inside novel text (a docstring being written) do not stop drafting where the copy
+        resumes."""
+        return self.run if self.in_run or self.full_match else self.fresh
+
+    def origin(self) -> int:
+        """Where this step's draft starts among the estimates' positions. In a copy (a copying
+        drafter's run or full match): how long the copy has gone on (the tokens its run accepted,
+        or the drafter's agreement, if longer), because a copy ends where the text changes, not
+        where a draft happens to end. A draft of 31 rejected at its 14th token, 55 tokens into a
+        copy (a renamed name), says copies break after 55, not that drafts break after 14: by
+        draft position, each resumed copy was priced short and ramped up again (3, 8, 15 before 31:
+        RESULTS.md, edit-few). Otherwise a draft's positions are its own."""
+        if not self.copies or not (self.in_run or self.full_match):
+            return 0
+        return min(max(self.streak, self.copied), _RUN_DEPTH)
 
     def can_pay(self, draft_cost: float, acceptance: float = 0.9) -> bool:
         """Could a drafter of this cost (in target steps per drafted token) beat plain decoding
@@ -362,10 +385,10 @@ class LengthPolicy:
     def gains(self, n: int, quality: float = 1.0) -> list[float]:
         """The expected tokens each of the first n drafted rows adds: the product of the acceptance
         estimates up to it. `quality` scales the first (a short n-gram match is weaker evidence)."""
-        m = self.model()
+        m, start = self.model(), self.origin()
         out, p = [], 1.0
         for i in range(n):
-            p *= m.prob(i) * (quality if i == 0 else 1.0)
+            p *= m.prob(start + i) * (quality if i == 0 else 1.0)
             out.append(p)
         return out
 
@@ -422,8 +445,9 @@ class LengthPolicy:
         if n_drafted <= 0:
             self._since_plain = 0
             return
-        self.model().update(n_drafted, n_accepted)
+        self.model().update(n_drafted, n_accepted, self.origin())
         self.in_run = n_accepted == n_drafted
+        self.streak = self.streak + n_accepted if self.in_run else 0
         if self.exploring:
             # Judge an exploration by what it really bought: tokens per plain-step time,
             # drafting (and a draft model catching up) included. Unprofitable: wait twice as long.

@@ -27,16 +27,15 @@ from ..core.sequence import KVSequence
 from .draft_model import DraftContext, DraftJob, ModelDrafter
 from .heads import HeadContext, HeadDrafter
 from .lookup import LookupMatch, NgramIndex
-from .policy import AcceptanceModel, CostModel, LengthPolicy
+from .policy import CostModel, LengthPolicy
 from .suffix import SuffixSource, TokenCorpus
 
 __all__ = ["Proposal", "RequestSpeculation", "speculation_method"]
 
 # A 2-gram match is weaker evidence than a longer one.
 _WEAK_MATCH_QUALITY = 0.8
-# A suffix match this long (tokens) is a full one: the policy's 'resumed' estimates price it.
+# A suffix match this long (tokens) is a full one: the policy's estimates inside a copy price it.
 _FULL_SUFFIX_MATCH = 8
-_FULL_SUFFIX_PRIOR = 0.9
 
 
 def speculation_method(spec: SpeculationOptions) -> str:
@@ -72,7 +71,7 @@ class RequestSpeculation:
         self.stats = stats
         self.method = speculation_method(spec)
         self.lookup: NgramIndex | None = NgramIndex() if spec.method in ("lookup", "auto") else None
-        self.lookup_policy = LengthPolicy(costs, spec) if self.lookup is not None else None
+        self.lookup_policy = LengthPolicy(costs, spec, copies=True) if self.lookup is not None else None
         # suffix: earlier answers (`memory`, the scope's) and the request's own text; auto: earlier
         # answers beside lookup (which reads the request's own text).
         self.suffix: SuffixSource | None = None
@@ -80,10 +79,9 @@ class RequestSpeculation:
             self.suffix = SuffixSource(memory, own=spec.method == "suffix")
         self.suffix_policy: LengthPolicy | None = None
         if self.suffix is not None:
-            self.suffix_policy = LengthPolicy(costs, spec)
             # A long match (the last _FULL_SUFFIX_MATCH tokens or more agree with an earlier text) is
-            # evidence like a run: the tree's frequencies scale it along the draft.
-            self.suffix_policy.resumed = AcceptanceModel(prior=_FULL_SUFFIX_PRIOR)
+            # evidence like a run (LengthPolicy.model): the tree's frequencies scale it along the draft.
+            self.suffix_policy = LengthPolicy(costs, spec, copies=True)
         self.model: ModelDrafter | None = None
         if isinstance(draft, HeadContext) and spec.method in (*HEAD_METHODS, "auto"):
             # A head drafts from the target's own states (its catching up is one batched decode):
@@ -136,6 +134,7 @@ class RequestSpeculation:
             tail = match.tokens[len(forced):] if match.tokens[:len(forced)] == forced else []
             if match.tokens and not forced:
                 policy.full_match = match.full
+                policy.copied = match.agreement
             if forced or tail:
                 draft = forced + tail[:max(0, room - len(forced))]
                 gains = [1.0] * len(forced) + policy.gains(len(draft) - len(forced), _quality(match, policy))
@@ -174,7 +173,7 @@ class RequestSpeculation:
         found = self.suffix.draft(history, policy.limit(room))
         if not found.tokens:
             return None
-        policy.full_match = found.match >= _FULL_SUFFIX_MATCH
+        policy.full_match, policy.copied = found.match >= _FULL_SUFFIX_MATCH, found.match
         gains = [g * p for g, p in zip(policy.gains(len(found.tokens)), found.probs)]
         return Proposal("suffix", policy, len(found.tokens), gains, tokens=found.tokens,
                         fixed=not policy.opts.adaptive, remembered=self.suffix.remembered(found))
