@@ -8,7 +8,8 @@ policy was never tuned on it), one round runs, in an order that rotates from rou
 (rendered by edgeinfer's chat template, the reply started with a code fence as editors do;
 llama.cpp parses special tokens), same token budget, same thread count; medians over rounds.
 Each of our rows is run once before the timed rounds, as a user's store would be warm (the cost
-curve the engine keeps). The tools come from benchmarks/build_llama_tools.sh.
+curve the engine keeps); every run of ours has a fresh suffix-memory scope (no row remembers
+its own earlier answers: llama-lookup here has no -lcd cache either). The tools come from benchmarks/build_llama_tools.sh.
 
     .venv/bin/python -m benchmarks.bench_lookup_peers [--models f16,q8_0,1.5b] [--edits rename,add]
         [--tokens 256] [--rounds 3] [--drafts 3,8] [--threads 2] [--home DIR]
@@ -17,6 +18,7 @@ curve the engine keeps). The tools come from benchmarks/build_llama_tools.sh.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -26,6 +28,7 @@ from benchmarks._store import use_home
 from benchmarks.bench_batch_curve import TOOLS
 from benchmarks.bench_llama_peers import tool_run
 
+_RUNS = itertools.count()
 HELDOUT = Path(__file__).parent / "workloads" / "heldout_edit.py"
 EDITS = {
     "rename": "Rename the function free_places to open_places everywhere in this file and return the whole file.",
@@ -70,8 +73,11 @@ def ours(engine, prompt: list[int], tokens: int, method: str) -> tuple[float, li
     import edgeinfer
 
     engine.reset()
+    # A fresh memory scope per run: `auto` would otherwise draft this very answer from its own
+    # earlier runs (suffix memory), which llama-lookup without -lcd cannot.
+    spec = edgeinfer.SpeculationOptions(method=method, memory_scope=f"peers-{next(_RUNS)}")
     opts = edgeinfer.GenerateOptions(max_tokens=tokens, sampling=edgeinfer.SamplingOptions(temperature=0.0),
-                                     speculation=edgeinfer.SpeculationOptions(method=method))
+                                     speculation=spec)
     done = engine.generate(prompt, opts).result()
     sp = done.stats.speculation
     return done.stats.decode_tok_s, done.tokens, (sp.drafted if sp is not None else 0)
