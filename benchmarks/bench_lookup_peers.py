@@ -8,7 +8,8 @@ policy was never tuned on it), one round runs, in an order that rotates from rou
 (rendered by edgeinfer's chat template, the reply started with a code fence as editors do;
 llama.cpp parses special tokens), same token budget, same thread count; medians over rounds.
 Each of our rows is run once before the timed rounds, as a user's store would be warm (the cost
-curve the engine keeps). The tools come from benchmarks/build_llama_tools.sh.
+curve the engine keeps); every run of ours has a fresh suffix-memory scope (no row remembers
+its own earlier answers: llama-lookup here has no -lcd cache either). The tools come from benchmarks/build_llama_tools.sh.
 
     .venv/bin/python -m benchmarks.bench_lookup_peers [--models f16,q8_0,1.5b] [--edits rename,add]
         [--tokens 256] [--rounds 3] [--drafts 3,8] [--threads 2] [--home DIR]
@@ -17,6 +18,7 @@ curve the engine keeps). The tools come from benchmarks/build_llama_tools.sh.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -26,6 +28,7 @@ from benchmarks._store import use_home
 from benchmarks.bench_batch_curve import TOOLS
 from benchmarks.bench_llama_peers import tool_run
 
+_RUNS = itertools.count()
 HELDOUT = Path(__file__).parent / "workloads" / "heldout_edit.py"
 EDITS = {
     "rename": "Rename the function free_places to open_places everywhere in this file and return the whole file.",
@@ -41,14 +44,23 @@ def edit_messages(kind: str) -> list[dict[str, str]]:
 
 
 def model_paths(names: list[str], store) -> dict[str, str]:
-    from benchmarks.bench_speculative import make_models
+    """Store refs (bench:f16, bench:q8_0: the shipped Q4_1 dequantized, then requantized; made once
+    per store) or the 1.5B's path."""
+    import warnings
+
+    from edgeinfer.default_model import default_model_file
+    from edgeinfer.quantize import quantize_model
 
     out = {}
-    quants = [n.upper() for n in names if n.lower() in ("f16", "q8_0")]
-    if quants and all(store.find(f"bench:{q.lower()}") for q in quants):  # made by an earlier run (--home)
-        out.update({q.lower(): f"bench:{q.lower()}" for q in quants})
-    elif quants:
-        out.update({q.lower(): p for q, p in make_models(store, quants).items() if q.lower() in names})
+    for q in (n for n in ("f16", "q8_0") if n in names):
+        if store.find(f"bench:{q}") is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if store.find("bench:f16") is None:
+                    quantize_model(default_model_file(), "F16", store=store, allow_requantize=True, name="bench")
+                if q != "f16":
+                    quantize_model("bench:f16", q.upper(), store=store, name="bench")
+        out[q] = f"bench:{q}"
     if "1.5b" in names:
         from tests.real_models import qwen_pair
 
@@ -61,8 +73,11 @@ def ours(engine, prompt: list[int], tokens: int, method: str) -> tuple[float, li
     import edgeinfer
 
     engine.reset()
+    # A fresh memory scope per run: `auto` would otherwise draft this very answer from its own
+    # earlier runs (suffix memory), which llama-lookup without -lcd cannot.
+    spec = edgeinfer.SpeculationOptions(method=method, memory_scope=f"peers-{next(_RUNS)}")
     opts = edgeinfer.GenerateOptions(max_tokens=tokens, sampling=edgeinfer.SamplingOptions(temperature=0.0),
-                                     speculation=edgeinfer.SpeculationOptions(method=method))
+                                     speculation=spec)
     done = engine.generate(prompt, opts).result()
     sp = done.stats.speculation
     return done.stats.decode_tok_s, done.tokens, (sp.drafted if sp is not None else 0)

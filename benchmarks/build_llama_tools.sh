@@ -34,7 +34,12 @@ fi
 LLAMA="$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
 BUILD="$TOOLS_DIR/build"
+# No AMX: these VMs list amx_tile/amx_int8 in /proc/cpuinfo, so -march=native compiles ggml's AMX
+# matmul, but the first tile instruction dies with SIGILL (every quantized model; F16 ran). The
+# llama-cpp-python library we compare with has no AMX code either.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}"
 
