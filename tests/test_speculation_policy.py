@@ -297,3 +297,35 @@ def test_a_full_match_resuming_a_copy_is_priced_by_how_far_copies_went():
     p.full_match, p.copied = True, 8
     assert not p.in_run and p.origin() == 8
     assert p.choose(31)[0] >= 24
+
+
+def test_a_draft_model_whose_cost_is_only_estimated_explores_at_once():
+    """A draft model's first cost is a probe's estimate (and can read cheap): where the plan
+    declines it, its first idle step drafts a little so the cost gate decides on a measured cost;
+    once the runtime's cost was measured, later requests wait like any other drafter."""
+    from edgeinfer.engine.speculation import ModelDrafter
+    from edgeinfer.engine.speculation.draft_model import DraftJob
+
+    class Runtime:  # (weakly referenced: the measured cost is kept per draft runtime)
+        pass
+
+    class Seq:
+        runtime = Runtime()
+        cached: list[int] = []  # nothing to probe after: the estimate is a guess
+        can_drop_suffix = True
+
+    context = type("Context", (), {"runtime": Seq.runtime, "seqs": {0: Seq()}})()
+
+    def first_idle_steps(drafter: ModelDrafter) -> list[int]:
+        drafter.start(Seq(), 0)
+        gains = drafter.policy.gains(4)
+        return [drafter.policy.settle(0, 4, gains, drafter.draft_cost()) for _ in range(3)]
+
+    fresh = ModelDrafter(context, LengthPolicy(CostModel(F16_LIKE), SpeculationOptions(method="draft")), 0.0)
+    steps = first_idle_steps(fresh)
+    assert fresh.enabled and steps[0] >= 1 and steps[1:] == [0, 0], steps
+    job = DraftJob(0, [1, 2, 3], steps[0])
+    job.tokens, job.seconds = [7] * steps[0], 0.001 * steps[0]  # what drafting really cost: a thirtieth
+    fresh.drafted(job)
+    later = ModelDrafter(context, LengthPolicy(CostModel(F16_LIKE), SpeculationOptions(method="draft")), 0.0)
+    assert first_idle_steps(later) == [0, 0, 0]

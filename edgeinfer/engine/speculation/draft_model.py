@@ -48,6 +48,8 @@ def check_draft_compatible(target: LlamaRuntime, draft: LlamaRuntime, draft_name
 
 # Draft runtime -> its one-token decode time over the target's, measured once.
 _relative_step_cache: weakref.WeakKeyDictionary[LlamaRuntime, float] = weakref.WeakKeyDictionary()
+# Draft runtimes whose cost in the cache was measured by drafting, not only probed.
+_measured_runtimes: weakref.WeakSet[LlamaRuntime] = weakref.WeakSet()
 
 
 def relative_draft_cost(target: KVSequence, draft: KVSequence, target_step: float | None = None,
@@ -225,7 +227,11 @@ class ModelDrafter:
         its time goes to overheads)."""
         relative = relative_draft_cost(target, self.context.seqs[slot], self.policy.costs.time(1))
         self.step_s = relative * self.policy.costs.time(1)
-        self._too_slow()
+        if not self._too_slow() and self.context.runtime not in _measured_runtimes:
+            # The probe ran after a short prefix and can read cheap; drafting at the prompt's depth
+            # costs what it costs. Without a draft that cost is never seen and a draft the plan
+            # keeps declining stays "on" unmeasured (and unexplained): one short draft settles it.
+            self.policy.explore_next()
 
     def draft_cost(self) -> float:
         """A drafted token's cost in target steps at the current depth."""
@@ -248,4 +254,5 @@ class ModelDrafter:
         self.step_s = 0.8 * self.step_s + 0.2 * per if self.measured else per
         self.measured = True
         _relative_step_cache[self.context.runtime] = self.draft_cost()
+        _measured_runtimes.add(self.context.runtime)
         self._too_slow()

@@ -410,6 +410,11 @@ class LengthPolicy:
                 return self._least_bad(explore_gains[:min(limit, _EXPLORE_MAX)], draft_cost)
         return k
 
+    def explore_next(self) -> None:
+        """Make the next step the plan gives nothing an exploration (a drafter whose cost is only
+        an estimate: one short draft measures it, and its gate decides on that)."""
+        self._idle = max(self._idle, self._explore_after - 1)
+
     def _least_bad(self, gains: list[float], draft_cost: float) -> int:
         best_k, best, e = 1, 0.0, 1.0
         for k, g in enumerate(gains, start=1):
