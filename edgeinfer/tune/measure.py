@@ -187,6 +187,24 @@ class Measurer:
         per_char = statistics.median(t * size / max(b, 1) / max(c, 1) for b, c, t in self.prompts[-12:])
         return per_char * _CHARS_PER_TOKEN * tokens
 
+    def projected(self, setup: Setup, m: Measurement) -> float:
+        """The whole workload's tok/s that a measurement at a lower level predicts: the prompts' times
+        (those this load key read; the others at its time per character) and every answer's tokens
+        at the measured decode speed. A short level's own tok/s is mostly prompt time, the workload's
+        mostly decoding: on the 1.5B the 16-token screen put Q4_K_S under Q4_K_M and Q5_K_M, and on
+        the whole workload it was the fastest rung (RESULTS.md, tune against an exhaustive search)."""
+        if m.level >= LEVELS[-1].index or m.decode_tok_s <= 0:
+            return m.tok_s
+        items = self.workload.items
+        known = self.prompt_s.get(setup.load_key, {})
+        timed = [(known[i.name], _chars(i)) for i in items if i.name in known]
+        if not timed:
+            return m.tok_s
+        per_char = sum(t for t, _ in timed) / max(1, sum(c for _, c in timed))
+        prompts = sum(known.get(i.name, per_char * _chars(i)) for i in items)
+        tokens = sum(i.max_tokens for i in items)
+        return tokens / (prompts + sum(max(0, i.max_tokens - 1) for i in items) / m.decode_tok_s)
+
     def _size(self, ref: str) -> int:
         m = self.store.find(ref)
         return m.size if m is not None else 1

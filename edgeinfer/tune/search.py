@@ -12,7 +12,8 @@ setups for longer:
    methods), every setup is screened instead.
 2. combine (level 0): every combination of each knob's best values (the two fastest rungs, cache
    pairs and speculations, the faster flash attention and thread count) — the knobs interact, so
-   the winners are tried together.
+   the winners are tried together. Below the last level "fastest" is the whole workload's speed
+   that the level's prompt times and decode speed predict (Measurer.projected).
 3. halve (level 1: every request, 48 tokens): the fastest third of everything measured, and the
    setups on the speed/KLD frontier, re-measured.
 4. final (level 2: the whole workload): the two fastest of those, measured twice in alternating
@@ -242,7 +243,7 @@ class Search:
             speed: dict[object, float] = {}
             for a in measured:
                 v = get(a.setup)
-                speed[v] = max(speed.get(v, 0.0), a.tok_s(0) or 0.0)
+                speed[v] = max(speed.get(v, 0.0), self._speed(a, 0))
             return set(sorted(speed, key=lambda v: -speed[v])[:k])
 
         keep = {
@@ -263,7 +264,7 @@ class Search:
         from .pareto import pareto
 
         pool = sorted((a for a in self.arms if level in a.results and a.failed is None),
-                      key=lambda a: -(a.tok_s(level) or 0.0))
+                      key=lambda a: -self._speed(a, level))
         want = max(at_least, -(-len(pool) // eta))
         chosen: list[Arm] = []
         while pool and len(chosen) < want:
@@ -272,8 +273,14 @@ class Search:
             self.check_quality(batch)
             chosen += [a for a in batch if self._within(a)]
         frontier = pareto([a for a in chosen + pool if a.kld is not None and self._within(a)],
-                          lambda a: (a.tok_s(level) or 0.0, -(a.kld or 0.0)))
+                          lambda a: (self._speed(a, level), -(a.kld or 0.0)))
         return chosen + [a for a in frontier if a not in chosen][:want]
+
+    def _speed(self, a: Arm, level: int) -> float:
+        """What the arm's runs at `level` say of its speed on the whole workload (Measurer.projected):
+        a lower level is ranked by its prediction, not by its own mix of prompt and answer."""
+        m = a.summary(level)
+        return self.measurer.projected(a.setup, m) if m is not None else 0.0
 
 
 def _knobs(s: Setup) -> tuple[object, ...]:
