@@ -65,6 +65,9 @@ from file_order import (  # noqa: E402,F401  (hooks, found here by pytest)
     pytest_sessionfinish,
 )
 
+# A test that uses a model-loading fixture is `slow` (tests/model_marks.py).
+pytest_plugins = ("model_marks",)
+
 
 # The user's real state must never be touched by a test. Remember what it looks like now, point
 # every platform default (and so every child process) at a sandbox, and fail any test after which
