@@ -58,6 +58,29 @@ def test_ties_go_to_the_most_recent_text_and_the_request_s_own_text_first():
     assert found.tokens == [7] and not source.remembered(found)
 
 
+def test_past_a_value_written_otherwise_the_frame_continues_from_the_place_it_agrees_with():
+    """A tool call with other values: where `"city": "Denver",` stops agreeing with the earlier
+    `"city": "Paris",` (one token against two), the earlier place is known from the frame before
+    the value, so the next key is drafted; a token that matches without such a frame drafts nothing."""
+    key, colon, quote, end, indent = 501, 502, 503, 504, 505
+    city, unit, days, paris, celsius, three = 601, 602, 603, 701, 702, 703
+    corpus = TokenCorpus()
+    corpus.add([indent, quote, city, colon, quote, paris, 711, end, indent, quote, unit, colon, quote, celsius,
+                end, indent, quote, days, colon, three, end])
+    context = [9, 9, indent, quote, city, colon, quote, 800, end]  # "city": "Denver",  (one token)
+    found = SuffixSource(corpus, own=False).draft(context, 6)
+    assert found.tokens[:4] == [indent, quote, unit, colon] and found.match > 1
+    # The same anchor after a frame that agrees with nothing: no draft (one token is a guess).
+    assert SuffixSource(corpus, own=False).draft([9, 9, 9, 9, 800, end], 6).tokens == []
+
+
+def test_a_suffix_draft_may_run_twice_as_long_as_its_match():
+    corpus = TokenCorpus()
+    corpus.add(list(range(1, 21)))
+    found = SuffixSource(corpus, own=False).draft([50, 51, 3, 4, 5], 10)  # a 3-token match
+    assert found.tokens == [6, 7, 8, 9, 10, 11]
+
+
 def test_memory_is_bounded_and_drops_the_least_recently_used_answers():
     memory = SuffixMemory(max_tokens=100)
     for i in range(20):
