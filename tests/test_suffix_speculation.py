@@ -81,6 +81,27 @@ def test_a_suffix_draft_may_run_twice_as_long_as_its_match():
     assert found.tokens == [6, 7, 8, 9, 10, 11]
 
 
+def test_short_suffix_matches_are_priced_by_how_often_their_first_token_was_right():
+    """Drafts after 2-token matches keep being rejected, drafts after 5-token matches accepted: the
+    short ones' first row is then priced lower (the tree's own frequencies say 1.0 for both)."""
+    from edgeinfer.engine.core.events import SpeculationStats
+    from edgeinfer.engine.speculation import CostModel, RequestSpeculation
+
+    memory = TokenCorpus()
+    memory.add(list(range(1, 31)))
+    costs = CostModel({b: 0.01 * (1 + 0.2 * (b - 1)) for b in range(1, 34)})
+    spec = RequestSpeculation(SpeculationOptions(method="auto"), costs, SpeculationStats("auto"), None, None, memory)
+    short, long_ = [900, 901, 902, 11, 12], [903, 904, 7, 8, 9, 10, 11, 12]  # matches of 2 and 6 tokens
+    for _ in range(6):
+        p = spec.propose(short, 16, 0)
+        assert p is not None and p.kind == "suffix"
+        spec.observe(p, p.limit, 0, 0.02, 0.01)
+        p = spec.propose(long_, 16, 0)
+        spec.observe(p, p.limit, p.limit, 0.02, 0.01)
+    spec.observe(spec.propose(short, 16, 0), 4, 0, 0.02, 0.01)  # (outside a run again)
+    assert spec.propose(short, 16, 0).gains[0] < 0.6 * spec.propose(long_, 16, 0).gains[0]
+
+
 def test_memory_is_bounded_and_drops_the_least_recently_used_answers():
     memory = SuffixMemory(max_tokens=100)
     for i in range(20):
