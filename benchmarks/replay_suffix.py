@@ -156,6 +156,30 @@ def oracle_sequence(prompts, outputs, curve, rule: str, min_match: int = 1):
     return plain / spent, right
 
 
+def candidates_sequence(prompts, outputs, curve, own: bool = True):
+    """(speed-up, positions with a right draft) of the engine's suffix candidates (SuffixSource, as
+    `suffix` (own text and memory) or `auto` (memory only) drafts them) at the best lengths for the
+    curve: what our candidate choice allows, whatever the length policy does."""
+    from edgeinfer.engine.speculation.suffix import SuffixMemory, SuffixSource
+
+    memory = SuffixMemory()
+    plain = spent = 0.0
+    right = 0
+    for k, (prompt, output) in enumerate(zip(prompts, outputs)):
+        if k:
+            source = SuffixSource(memory.corpus(""), own=own)
+            acc = [0] * len(output)
+            for i in range(1, len(output)):
+                found = source.draft(prompt + output[:i], DRAFT_MAX).tokens
+                while acc[i] < len(found) and i + acc[i] < len(output) and found[acc[i]] == output[i + acc[i]]:
+                    acc[i] += 1
+            plain += (len(output) - 1) * curve[1]
+            spent += oracle_seconds(acc, curve)
+            right += sum(1 for a in acc if a)
+        memory.remember("", prompt, output)
+    return plain / spent, right
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sequence", default="tests", help="bench_suffix's sequence: tests or tools")
@@ -184,6 +208,9 @@ def main() -> None:
                 mid = statistics.median(ds)
                 print(f"|   {method}, {args.noise_seeds} noisy runs | {min(x for x, _, _ in noisy):.3f}..{max(x for x, _, _ in noisy):.3f}"
                       f" | {min(ds)}..{max(ds)} ({(min(ds) / mid - 1) * 100:+.0f}/{(max(ds) / mid - 1) * 100:+.0f} %) | |")
+        for own, label in ((True, "suffix"), (False, "auto's suffix (memory only)")):
+            sp, right = candidates_sequence(prompts, outputs, curve, own)
+            print(f"| {label} candidates at the best lengths | {sp:.3f} | | positions with a right draft: {right} |")
         for rule in ("longest", "any"):
             sp, right = oracle_sequence(prompts, outputs, curve, rule, args.min_match)
             print(f"| oracle ({rule} match) | {sp:.3f} | | positions with a right draft: {right} |")
