@@ -52,7 +52,8 @@ _GAP_CANDIDATES = 16
 # uses 1): the length policy prices every draft on the measured curve, so the cap need only stop a
 # short match from drafting far. At 1, a copy resuming after an edit ramps 2, 4, 8 tokens a step.
 DRAFT_FACTOR = 2.0
-# Tokens of earlier answers (all scopes together) a model keeps: ~25 MB of Python objects.
+# Tokens of earlier answers (all scopes together) a model keeps: ~51 MB of Python objects at worst
+# (every n-gram distinct; 43 MB before one-token anchors were indexed, tracemalloc).
 DEFAULT_MEMORY_TOKENS = 1 << 16
 # Scopes (API keys) a model keeps a corpus for; the least recently used goes first.
 _MAX_SCOPES = 64
