@@ -167,7 +167,8 @@ def main() -> None:
                 continue
             texts = [engine.render_chat(m) for m in seq]
             prompts = [engine.tokenize(t, add_special=False, parse_special=True) for t in texts]
-            fresh = engine.tokenize(engine.render_chat(FRESH), add_special=False, parse_special=True) if args.fresh else None
+            fresh = (engine.tokenize(engine.render_chat(FRESH), add_special=False, parse_special=True)
+                     if args.fresh else None)
             fresh_speeds: dict[str, list[float]] = {}
             speeds: dict[str, list[float]] = {}
             answers: dict[str, list[str]] = {}

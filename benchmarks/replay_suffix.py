@@ -193,8 +193,9 @@ def main() -> None:
     for name in args.sequence.split(","):
         prompts, outputs, curve = record_sequence(name, args.tokens, args.record)
         r = {b: round(t / curve[1], 2) for b, t in curve.items()}
+        shown = " ".join(f"{b}:{r[b]}" for b in (2, 3, 4, 5, 8, 9, 16, 17, 32))
         print(f"\n{name}: {len(prompts)} requests, prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
-              f"answers {[len(o) for o in outputs]} tokens; curve " + " ".join(f"{b}:{r[b]}" for b in (2, 3, 4, 5, 8, 9, 16, 17, 32)))
+              f"answers {[len(o) for o in outputs]} tokens; curve {shown}")
         print("| row | × plain, requests 2..n | drafted | accepted |")
         print("| --- | ---: | ---: | ---: |")
         for method in args.methods.split(","):
@@ -203,11 +204,12 @@ def main() -> None:
             print(f"| {method} | {sp:.3f} | {d} | {a} |")
             print(f"| {method}, length oracle | {lo:.3f} | | |")
             if args.noise_seeds:
-                noisy = [replay_sequence(prompts, outputs, curve, method, noise_seed=s) for s in range(args.noise_seeds)]
-                ds = [d for _, d, _ in noisy]
+                noisy = [replay_sequence(prompts, outputs, curve, method, noise_seed=s)
+                         for s in range(args.noise_seeds)]
+                ds, sp = [d for _, d, _ in noisy], [x for x, _, _ in noisy]
                 mid = statistics.median(ds)
-                print(f"|   {method}, {args.noise_seeds} noisy runs | {min(x for x, _, _ in noisy):.3f}..{max(x for x, _, _ in noisy):.3f}"
-                      f" | {min(ds)}..{max(ds)} ({(min(ds) / mid - 1) * 100:+.0f}/{(max(ds) / mid - 1) * 100:+.0f} %) | |")
+                print(f"|   {method}, {args.noise_seeds} noisy runs | {min(sp):.3f}..{max(sp):.3f} | "
+                      f"{min(ds)}..{max(ds)} ({(min(ds) / mid - 1) * 100:+.0f}/{(max(ds) / mid - 1) * 100:+.0f} %) | |")
         for own, label in ((True, "suffix"), (False, "auto's suffix (memory only)")):
             sp, right = candidates_sequence(prompts, outputs, curve, own)
             print(f"| {label} candidates at the best lengths | {sp:.3f} | | positions with a right draft: {right} |")
