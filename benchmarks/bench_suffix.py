@@ -13,7 +13,11 @@ whether every row's text equals `off`'s. llama-lookup's rows are beside its own 
 ours but of its own kernels). The tools come from benchmarks/build_llama_tools.sh.
 
     .venv/bin/python -m benchmarks.bench_suffix [--rounds 2] [--sequences tools,tests] [--rows off,suffix,auto,llama-lookup]
-        [--tokens 96] [--model GGUF]
+        [--tokens 96] [--model GGUF] [--fresh]
+
+`--fresh`: after each of our rows' sequence, one more request in the same memory scope that
+repeats none of it (FRESH, a coding question): its decode tok/s against `off`'s, the floor being
+that a warm tree costs nothing where it does not help.
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ def test_slugify_joins_lower_case_words_with_dashes():
 
 NEXT = ["clamp", "chunks", "initials", "is_palindrome", "mean", "count_words"]
 
+# replay_speculation's "coding question": nothing in either sequence answers it.
+FRESH = [{"role": "user", "content": "Write a Python function that parses an ISO 8601 duration like P3DT4H12M into "
+          "seconds, with a docstring and three doctests."}]
+
 
 def sequences() -> dict[str, list[list[dict[str, str]]]]:
     tools = [[{"role": "system", "content": TOOL_SYSTEM},
@@ -92,21 +100,26 @@ def sequences() -> dict[str, list[list[dict[str, str]]]]:
     return {"tools": tools, "tests": tests}
 
 
-def run_ours(engine, prompts: list[list[int]], method: str, scope: str, tokens: int) -> tuple[float, list[str], int]:
-    """(decode tok/s of requests 2..n, every answer's text, tokens drafted from earlier answers)."""
+def run_ours(engine, prompts: list[list[int]], method: str, scope: str, tokens: int,
+             fresh: list[int] | None = None) -> tuple[float, list[str], int, float | None]:
+    """(decode tok/s of requests 2..n, every answer's text, tokens drafted from earlier answers,
+    decode tok/s of the `fresh` prompt asked after them in the same scope)."""
     import edgeinfer
 
     texts, n_tok, secs, remembered = [], 0, 0.0, 0
-    for i, p in enumerate(prompts):
+    fresh_tok_s = None
+    for i, p in enumerate(prompts + ([fresh] if fresh else [])):
         opts = edgeinfer.GenerateOptions(max_tokens=tokens, sampling=edgeinfer.SamplingOptions(temperature=0.0),
                                          speculation=edgeinfer.SpeculationOptions(method=method, memory_scope=scope))
         done = engine.generate(p, opts).result()
         texts.append(done.text)
-        if i:
+        if i == len(prompts):
+            fresh_tok_s = done.stats.generated_tokens / done.stats.decode_s
+        elif i:
             n_tok += done.stats.generated_tokens
             secs += done.stats.decode_s
             remembered += done.stats.speculation.remembered if done.stats.speculation else 0
-    return n_tok / secs, texts, remembered
+    return n_tok / secs, texts, remembered, fresh_tok_s
 
 
 def run_llama_lookup(target: str, texts: list[str], tokens: int, draft: int, threads: int) -> float:
@@ -138,6 +151,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookup-draft", type=int, default=8, help="llama-lookup's --spec-draft-n-max")
     ap.add_argument("--model", help="a GGUF file instead of the real 1.5B (e.g. the default model's)")
+    ap.add_argument("--fresh", action="store_true", help="also time a fresh coding question after each sequence")
     args = ap.parse_args()
     import edgeinfer
     from tests.real_models import qwen_pair
@@ -153,6 +167,9 @@ def main() -> None:
                 continue
             texts = [engine.render_chat(m) for m in seq]
             prompts = [engine.tokenize(t, add_special=False, parse_special=True) for t in texts]
+            fresh = (engine.tokenize(engine.render_chat(FRESH), add_special=False, parse_special=True)
+                     if args.fresh else None)
+            fresh_speeds: dict[str, list[float]] = {}
             speeds: dict[str, list[float]] = {}
             answers: dict[str, list[str]] = {}
             remembered: dict[str, list[int]] = {}
@@ -163,8 +180,10 @@ def main() -> None:
                         speeds.setdefault(row, []).append(run_llama_lookup(target, texts, args.tokens,
                                                                            args.lookup_draft, args.threads))
                         continue
-                    tok_s, out, rem = run_ours(engine, prompts, row, f"bench-{row}-{r}", args.tokens)
+                    tok_s, out, rem, fresh_s = run_ours(engine, prompts, row, f"bench-{row}-{r}", args.tokens, fresh)
                     speeds.setdefault(row, []).append(tok_s)
+                    if fresh_s is not None:
+                        fresh_speeds.setdefault(row, []).append(fresh_s)
                     remembered.setdefault(row, []).append(rem)
                     if answers.setdefault(row, out) != out:
                         print(f"  {row}: answers differ between rounds")
@@ -179,6 +198,11 @@ def main() -> None:
                 print(f"| {row} | {med:.2f} | {med / plain:.2f} | {', '.join(f'{x:.2f}' for x in v)} | {same} | "
                       f"{statistics.median(remembered[row]) if row in remembered else '–'} |" if plain else
                       f"| {row} | {med:.2f} | – | {', '.join(f'{x:.2f}' for x in v)} | {same} | – |")
+            if fresh_speeds.get("off"):
+                base = statistics.median(fresh_speeds["off"])
+                print(f"\nfresh coding question after the sequence, same scope (decode tok/s; × off): " + ", ".join(
+                    f"{row} {statistics.median(v):.2f} ({statistics.median(v) / base:.3f}; rounds "
+                    f"{', '.join(f'{x:.2f}' for x in v)})" for row, v in fresh_speeds.items()))
             if "off" in answers:
                 print("first answer (off):", answers["off"][0][:200].replace("\n", "\\n"))
                 print("second answer (off):", answers["off"][1][:200].replace("\n", "\\n"))

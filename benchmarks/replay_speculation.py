@@ -146,17 +146,19 @@ def shared_machine(seed: int = 0, spike: float = 0.1):
 
 class OneRequest:
     """One lookup request stepped the way the scheduler core steps it alone (Scheduler._plan with
-    one decoding request): the engine's own RequestSpeculation, proposal, plan and feedback."""
+    one decoding request): the engine's own RequestSpeculation, proposal, plan and feedback.
+    `method` "suffix" or "auto" with `memory` (a TokenCorpus of earlier answers): the suffix drafter's
+    path (replay_suffix.py)."""
 
-    def __init__(self, costs, n_batch: int = 512, fixed: int | None = None):
+    def __init__(self, costs, n_batch: int = 512, fixed: int | None = None, method: str = "lookup", memory=None):
         from edgeinfer import SpeculationOptions
         from edgeinfer.engine.core.events import SpeculationStats
         from edgeinfer.engine.speculation import RequestSpeculation
 
         self.costs, self.n_batch = costs, n_batch
-        opts = (SpeculationOptions(method="lookup") if fixed is None
-                else SpeculationOptions(method="lookup", draft_max=fixed, adaptive=False))
-        self.spec = RequestSpeculation(opts, costs, SpeculationStats("lookup"), None, None)
+        opts = (SpeculationOptions(method=method) if fixed is None
+                else SpeculationOptions(method=method, draft_max=fixed, adaptive=False))
+        self.spec = RequestSpeculation(opts, costs, SpeculationStats(method), None, None, memory)
         self.lookup = self.spec.lookup
         self.proposal = None
 
@@ -187,13 +189,15 @@ class OneRequest:
 
 
 def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief, oracle: str | None = None,
-           noise=None, fixed: int | None = None) -> Replay:
+           noise=None, fixed: int | None = None, method: str = "lookup", memory=None) -> Replay:
     """Replay lookup over `output` (its first token comes from the prompt's logits, as in the
     engine); `belief()` makes the cost model the policy starts from. With `noise()` the policy
     observes noisy times (the speed-up is still reckoned with the curve's own). `fixed`: draft
-    that many tokens wherever lookup has them (not adaptive)."""
-    drafter = OneRequest(belief(), fixed=fixed)
-    drafter.lookup.sync(prompt)
+    that many tokens wherever lookup has them (not adaptive). `method`/`memory`: see OneRequest
+    (without lookup, "declined" counts the steps whose proposal the plan cut to nothing)."""
+    drafter = OneRequest(belief(), fixed=fixed, method=method, memory=memory)
+    if drafter.lookup is not None:
+        drafter.lookup.sync(prompt)
     out = Replay()
     i, spent = 1, 0.0
     while i < len(output):
@@ -207,7 +211,9 @@ def replay(prompt: list[int], output: list[int], curve: dict[int, float], belief
         elif oracle == "length":
             draft = draft[:ok]
         if not draft:
-            if drafter.lookup.lookup(1).tokens:
+            found = drafter.lookup.lookup(1).tokens if drafter.lookup is not None else \
+                drafter.proposal is not None and drafter.proposal.tokens
+            if found:
                 out.declined += 1
             else:
                 out.no_match += 1

@@ -57,6 +57,22 @@ def test_verifications_teach_the_cost_of_their_size_and_outliers_are_damped():
     assert costs.ratio(6) < 2.4 * 1.5
 
 
+
+def test_a_calibrated_size_is_not_moved_by_a_shared_machines_noisy_steps():
+    """Steps on a shared machine vary ±10 % and a preempted one takes 1.5–3×: a size the
+    calibration measured must not follow them (the choices between near-tie lengths would flip run
+    to run), while a size never measured still learns from its first steps."""
+    costs = CostModel(F16_LIKE)
+    before = costs.ratio(16)
+    for factor in [2.5, 1.0, 0.9, 1.1, 2.0, 1.0, 1.05, 3.0, 0.95, 1.0] * 3:  # a spike now and then
+        costs.observe(16, F16_LIKE[16] * factor)
+    assert costs.ratio(16) == pytest.approx(before, rel=0.05)
+    guessed = CostModel.prior(10**8, 4, 256)  # nothing measured: a guess, learned at once
+    guessed.observe(1, 0.01)
+    old = guessed.ratio(16)
+    guessed.observe(16, 0.01 * old * 1.4)
+    assert guessed.ratio(16) > old * 1.05
+
 def policy(curve: dict[int, float], **spec) -> LengthPolicy:
     p = LengthPolicy(CostModel(curve), SpeculationOptions(method="lookup", **spec))
     if p.opts.adaptive:

@@ -58,6 +58,50 @@ def test_ties_go_to_the_most_recent_text_and_the_request_s_own_text_first():
     assert found.tokens == [7] and not source.remembered(found)
 
 
+def test_past_a_value_written_otherwise_the_frame_continues_from_the_place_it_agrees_with():
+    """A tool call with other values: where `"city": "Denver",` stops agreeing with the earlier
+    `"city": "Paris",` (one token against two), the earlier place is known from the frame before
+    the value, so the next key is drafted; a token that matches without such a frame drafts nothing."""
+    key, colon, quote, end, indent = 501, 502, 503, 504, 505
+    city, unit, days, paris, celsius, three = 601, 602, 603, 701, 702, 703
+    corpus = TokenCorpus()
+    corpus.add([indent, quote, city, colon, quote, paris, 711, end, indent, quote, unit, colon, quote, celsius,
+                end, indent, quote, days, colon, three, end])
+    context = [9, 9, indent, quote, city, colon, quote, 800, end]  # "city": "Denver",  (one token)
+    found = SuffixSource(corpus, own=False).draft(context, 6)
+    assert found.tokens[:4] == [indent, quote, unit, colon] and found.match > 1
+    # The same anchor after a frame that agrees with nothing: no draft (one token is a guess).
+    assert SuffixSource(corpus, own=False).draft([9, 9, 9, 9, 800, end], 6).tokens == []
+
+
+def test_a_suffix_draft_may_run_twice_as_long_as_its_match():
+    corpus = TokenCorpus()
+    corpus.add(list(range(1, 21)))
+    found = SuffixSource(corpus, own=False).draft([50, 51, 3, 4, 5], 10)  # a 3-token match
+    assert found.tokens == [6, 7, 8, 9, 10, 11]
+
+
+def test_short_suffix_matches_are_priced_by_how_often_their_first_token_was_right():
+    """Drafts after 2-token matches keep being rejected, drafts after 5-token matches accepted: the
+    short ones' first row is then priced lower (the tree's own frequencies say 1.0 for both)."""
+    from edgeinfer.engine.core.events import SpeculationStats
+    from edgeinfer.engine.speculation import CostModel, RequestSpeculation
+
+    memory = TokenCorpus()
+    memory.add(list(range(1, 31)))
+    costs = CostModel({b: 0.01 * (1 + 0.2 * (b - 1)) for b in range(1, 34)})
+    spec = RequestSpeculation(SpeculationOptions(method="auto"), costs, SpeculationStats("auto"), None, None, memory)
+    short, long_ = [900, 901, 902, 11, 12], [903, 904, 7, 8, 9, 10, 11, 12]  # matches of 2 and 6 tokens
+    for _ in range(6):
+        p = spec.propose(short, 16, 0)
+        assert p is not None and p.kind == "suffix"
+        spec.observe(p, p.limit, 0, 0.02, 0.01)
+        p = spec.propose(long_, 16, 0)
+        spec.observe(p, p.limit, p.limit, 0.02, 0.01)
+    spec.observe(spec.propose(short, 16, 0), 4, 0, 0.02, 0.01)  # (outside a run again)
+    assert spec.propose(short, 16, 0).gains[0] < 0.6 * spec.propose(long_, 16, 0).gains[0]
+
+
 def test_memory_is_bounded_and_drops_the_least_recently_used_answers():
     memory = SuffixMemory(max_tokens=100)
     for i in range(20):

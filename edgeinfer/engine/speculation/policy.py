@@ -43,6 +43,12 @@ _UNTRIED_DISCOUNT = 0.9
 _RUN_DEPTH = 64
 # The most a position without evidence of its own is priced at (AcceptanceModel.pooled).
 FALLBACK_CAP = 0.98
+# A size the curve was measured at (calibration: the faster of repeated decodes on a quiet machine)
+# learns from one noisy step this much more slowly, and a step moves it by at most this factor:
+# steps on a shared machine vary ±10 % and preempted ones 1.5–3×, and a curve that follows them
+# flips near-tie choices (a 15- or a 31-token draft) from run to run (RESULTS.md, repeatability).
+_TRUSTED_WEIGHT = 0.1
+_TRUSTED_CLIP = 1.1
 
 
 class CostModel:
@@ -76,6 +82,8 @@ class CostModel:
         self._shape[1] = 1.0
         # Sizes whose shape comes from measurements (the rest are a prior's guess, interpolated).
         self._measured = set(self._shape) if measured else {1}
+        # Sizes a calibration measured (not only one step): noisy steps move them slowly (observe).
+        self._trusted = set(self._measured)
         # t1 is re-measured by each request's first plain step (the machine's load changes).
         self._t1_observed = False
         self.t1_stale = True
@@ -122,6 +130,7 @@ class CostModel:
             highest = max(highest, seconds[b] / t1 - self.attention * b * depth)
             self._shape[b] = highest
             self._measured.add(b)
+            self._trusted.add(b)
         self._shape[1] = 1.0
         # Sizes still guessed (a prior's) would disagree with their measured neighbours: interpolate.
         self._shape = {b: r for b, r in self._shape.items() if b in self._measured}
@@ -224,7 +233,8 @@ class CostModel:
             self._last_surprise = surprise
         if self._suspect:
             return  # t1 or the shape? Unclear until t1 is re-measured: learn nothing meanwhile
-        new = (1 - 2 * weight) * old + 2 * weight * min(max(seen, old / 1.5), old * 1.5)
+        w, clip = (2 * weight * _TRUSTED_WEIGHT, _TRUSTED_CLIP) if b in self._trusted else (2 * weight, 1.5)
+        new = (1 - w) * old + w * min(max(seen, old / clip), old * clip)
         if old > 1.0:
             # Sizes never verified share what this one learned about the curve's level.
             scale = (new - 1.0) / (old - 1.0)

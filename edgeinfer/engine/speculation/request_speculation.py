@@ -36,6 +36,11 @@ __all__ = ["Proposal", "RequestSpeculation", "speculation_method"]
 _WEAK_MATCH_QUALITY = 0.8
 # A suffix match this long (tokens) is a full one: the policy's estimates inside a copy price it.
 _FULL_SUFFIX_MATCH = 8
+# Shorter suffix matches are judged by how often a draft's first token was right after a match of
+# about that length (1, 2, 3–4, 5–7 tokens): after one agreeing token the tree guesses, after six it
+# mostly copies, and the tree's own frequencies (one earlier occurrence: 1.0) cannot tell them apart.
+_MATCH_BUCKETS = (1, 2, 4, 7)
+_MATCH_PRIOR_WEIGHT = 2.0
 
 
 def speculation_method(spec: SpeculationOptions) -> str:
@@ -59,6 +64,7 @@ class Proposal:
     job: DraftJob | None = None  # a draft model's work, once planned
     context: DraftContext | HeadContext | None = None  # the draft model's or head's context
     remembered: bool = False  # suffix: drafted (also) from earlier answers
+    match: int = 0  # suffix: the match length it came from
 
 
 class RequestSpeculation:
@@ -82,6 +88,7 @@ class RequestSpeculation:
             # A long match (the last _FULL_SUFFIX_MATCH tokens or more agree with an earlier text) is
             # evidence like a run (LengthPolicy.model): the tree's frequencies scale it along the draft.
             self.suffix_policy = LengthPolicy(costs, spec, copies=True)
+        self.match_quality = MatchQuality()
         self.model: ModelDrafter | None = None
         if isinstance(draft, HeadContext) and spec.method in (*HEAD_METHODS, "auto"):
             # A head drafts from the target's own states (its catching up is one batched decode):
@@ -174,9 +181,10 @@ class RequestSpeculation:
         if not found.tokens:
             return None
         policy.full_match, policy.copied = found.match >= _FULL_SUFFIX_MATCH, found.match
-        gains = [g * p for g, p in zip(policy.gains(len(found.tokens)), found.probs)]
+        quality = self.match_quality.quality(found.match, policy.model().prob(policy.origin()))
+        gains = [g * p for g, p in zip(policy.gains(len(found.tokens), quality), found.probs)]
         return Proposal("suffix", policy, len(found.tokens), gains, tokens=found.tokens,
-                        fixed=not policy.opts.adaptive, remembered=self.suffix.remembered(found))
+                        fixed=not policy.opts.adaptive, remembered=self.suffix.remembered(found), match=found.match)
 
     def observe(self, proposal: Proposal | None, n_drafted: int, n_accepted: int, step_s: float,
                 plain_s: float) -> None:
@@ -191,6 +199,8 @@ class RequestSpeculation:
             self.stats.plain_steps += 1
             return
         assert proposal is not None
+        if proposal.kind == "suffix":
+            self.match_quality.update(proposal.match, n_accepted > 0)
         forced = min(proposal.forced, n_drafted)  # (always accepted: not evidence about lookup)
         proposal.policy.observe(n_drafted - forced, max(0, n_accepted - forced), step_s, draft_s, plain_s,
                                 learn_costs=False)
@@ -208,6 +218,38 @@ class RequestSpeculation:
         """Say in the stats when the draft model switched itself off (at start or later)."""
         if self.model is not None and self.model.note:
             self.stats.note = self.model.note
+
+
+class MatchQuality:
+    """How often a suffix draft's first token was right, by the length of the match it came from
+    (`_MATCH_BUCKETS`; full matches are the policy's copies): a factor on the policy's estimate
+    for the first drafted row. Each bucket starts at the policy's estimate (`_MATCH_PRIOR_WEIGHT`
+    observations' worth) and forgets slowly, as AcceptanceModel does."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.hits = [0.0] * len(_MATCH_BUCKETS)
+        self.tries = [0.0] * len(_MATCH_BUCKETS)
+
+    @staticmethod
+    def bucket(match: int) -> int | None:
+        if match >= _FULL_SUFFIX_MATCH:
+            return None
+        return next((i for i, top in enumerate(_MATCH_BUCKETS) if match <= top), len(_MATCH_BUCKETS) - 1)
+
+    def quality(self, match: int, base: float) -> float:
+        b = self.bucket(match)
+        if b is None or base <= 0:
+            return 1.0
+        estimate = (self.hits[b] + base * _MATCH_PRIOR_WEIGHT) / (self.tries[b] + _MATCH_PRIOR_WEIGHT)
+        return estimate / base
+
+    def update(self, match: int, first_right: bool) -> None:
+        b = self.bucket(match)
+        if b is None:
+            return
+        self.hits[b] = self.hits[b] * self.decay + first_right
+        self.tries[b] = self.tries[b] * self.decay + 1.0
 
 
 def _quality(match: LookupMatch, policy: LengthPolicy) -> float:

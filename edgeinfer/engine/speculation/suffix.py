@@ -38,9 +38,22 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenCorpus", "SuffixMemory", "SuffixDraft", "SuffixSource", "speculate", "DEFAULT_MEMORY_TOKENS", "PROMPT_TAIL"]
 
-# n-gram lengths indexed (longest first): the deepest found starts the match.
-_KEYS = (8, 4, 2)
-# Tokens of earlier answers (all scopes together) a model keeps: ~25 MB of Python objects.
+# n-gram lengths indexed (longest first): the deepest found starts the match. A 1-token match
+# drafts only across a gap (_gapped): alone it is a guess that costs on text where nothing repeats.
+_KEYS = (8, 4, 2, 1)
+# A gap: where the text's end stops agreeing with an earlier place, up to _GAP tokens on either side
+# (a value: a city, a number, a function's name) are skipped and the agreement counted on before them,
+# if at least _GAP_MIN tokens agree there (the frame around the value: `"city": "`).
+_GAP = 4
+_GAP_MIN = 3
+# Places (the most recent) whose agreement is extended across a gap: bounds the work per step.
+_GAP_CANDIDATES = 16
+# A draft is at most this many times as long as its match (SuffixDecoding's max_spec_factor; vLLM
+# uses 1): the length policy prices every draft on the measured curve, so the cap need only stop a
+# short match from drafting far. At 1, a copy resuming after an edit ramps 2, 4, 8 tokens a step.
+DRAFT_FACTOR = 2.0
+# Tokens of earlier answers (all scopes together) a model keeps: ~51 MB of Python objects at worst
+# (every n-gram distinct; 43 MB before one-token anchors were indexed, tracemalloc).
 DEFAULT_MEMORY_TOKENS = 1 << 16
 # Scopes (API keys) a model keeps a corpus for; the least recently used goes first.
 _MAX_SCOPES = 64
@@ -151,6 +164,25 @@ def _agreement(text: list[int], pos: int, context: Sequence[int], depth: int) ->
     return m
 
 
+def _gapped(text: list[int], pos: int, context: Sequence[int], m: int, depth: int) -> int:
+    """The agreement m extended across one gap (see _GAP): m + the longest agreement before a skip
+    of h tokens of the earlier text and g of the context (h, g <= _GAP, not both 0), if that is at
+    least _GAP_MIN; else m. An answer shaped like an earlier one (a tool call with other values, the
+    next test) differs in a value and agrees around it: past the value its place is known."""
+    ti, ci = pos - 1 - m, len(context) - 1 - m  # the first tokens that disagree
+    if ti < 0 or ci < 0 or m >= depth:
+        return m
+    best = 0
+    for h in range(_GAP + 1):
+        for g in range(_GAP + 1):
+            a = 0
+            if h or g:
+                while a < depth - m and ti - h - a >= 0 and ci - g - a >= 0 and text[ti - h - a] == context[ci - g - a]:
+                    a += 1
+            best = max(best, a)
+    return m + best if best >= _GAP_MIN else m
+
+
 def _path(occ: list[tuple[TokenCorpus, int, list[int], int]], max_tokens: int, min_prob: float) -> SuffixDraft:
     """Follow the most frequent next token among the occurrences (ties: the most recent)."""
     out = SuffixDraft()
@@ -181,7 +213,7 @@ def speculate(context: Sequence[int], corpora: Sequence[TokenCorpus], max_len: i
     """The best-scoring draft of at most `max_len` tokens continuing `context` in `corpora`.
 
     Occurrences of the deepest indexed n-gram ending the context are each extended backwards to
-    their match length (<= depth); the candidate at match length m drafts from the occurrences
+    their match length (<= depth; across one gap, _gapped); the candidate at match length m drafts from the occurrences
     matching at least m, at most factor·m + offset tokens. The `levels` deepest distinct match
     lengths and the shallowest are tried (bounding the work per step)."""
     if max_len <= 0:
@@ -190,11 +222,14 @@ def speculate(context: Sequence[int], corpora: Sequence[TokenCorpus], max_len: i
     agree: list[int] = []
     for n in _KEYS:
         for c in corpora:
-            for tid, text, pos in c.occurrences(context, n, candidates):
+            for i, (tid, text, pos) in enumerate(c.occurrences(context, n, candidates)):
                 m = _agreement(text, pos, context, depth)
-                if m >= n:
+                if m < n:
+                    continue
+                gapped = _gapped(text, pos, context, m, depth) if i < _GAP_CANDIDATES else m
+                if n > 1 or gapped > m:
                     occ.append((c, tid, text, pos))
-                    agree.append(m)
+                    agree.append(gapped)
         if occ:
             break
     if not occ:
@@ -309,7 +344,7 @@ class SuffixSource:
     def draft(self, history: Sequence[int], max_len: int) -> SuffixDraft:
         self.sync(history)
         corpora = [c for c in (self.own, self.memory) if c is not None]
-        found = speculate(history, corpora, max_len)
+        found = speculate(history, corpora, max_len, factor=DRAFT_FACTOR)
         if self.memory is not None:
             for c, tid in found.texts:
                 if c is self.memory:

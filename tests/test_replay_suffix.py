@@ -1,0 +1,59 @@
+"""benchmarks/replay_suffix.py's oracle rows, against independent brute force (pure, no model)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+from benchmarks.replay_suffix import oracle_accepts, oracle_seconds
+
+
+def brute_accepts(prompt: list[int], output: list[int], earlier: list[list[int]], i: int, min_match: int = 1) -> int:
+    """The longest prefix of output[i:] that follows, somewhere in the corpus, a place whose
+    preceding min_match tokens are the text's last ones (every place and length tried)."""
+    own = prompt + output[:i]
+    best = 0
+    for text in [own] + earlier:
+        for p in range(min_match, len(text)):
+            if text[p - min_match:p] != own[len(own) - min_match:]:
+                continue
+            for c in range(min(32, len(output) - i), 0, -1):
+                if text[p:p + c] == output[i:i + c]:
+                    best = max(best, c)
+                    break
+    return best
+
+
+def brute_seconds(accepts: list[int], curve: dict[int, float]) -> float:
+    """Every sequence of step lengths tried (recursion over positions)."""
+    n = len(accepts)
+
+    @functools.lru_cache(maxsize=None)
+    def cost(i: int) -> float:
+        if i >= n:
+            return 0.0
+        return min(curve[min(j + 1, max(curve))] + cost(i + j + 1) for j in range(accepts[i] + 1))
+
+    return cost(1)
+
+
+def test_the_any_match_oracle_is_the_best_continuation_of_any_agreeing_place():
+    rng = random.Random(3)
+    for _ in range(30):
+        prompt = [rng.randrange(6) for _ in range(12)]
+        output = [rng.randrange(6) for _ in range(15)]
+        earlier = [[rng.randrange(6) for _ in range(10)] for _ in range(2)]
+        got = oracle_accepts(prompt, output, earlier, rule="any")
+        assert got[1:] == [brute_accepts(prompt, output, earlier, i) for i in range(1, len(output))]
+        longest = oracle_accepts(prompt, output, earlier, rule="longest")
+        assert all(a <= b for a, b in zip(longest, got))  # the longest-match places are some of them
+
+
+def test_the_oracle_time_is_the_least_over_every_choice_of_step_lengths():
+    rng = random.Random(5)
+    curve = {1: 1.0, 2: 1.5, 3: 1.8, 4: 1.7, 5: 2.1, 6: 2.5, 7: 2.8, 8: 3.4, 9: 3.2}
+    for _ in range(50):
+        accepts = [0] + [rng.choice([0, 0, 1, 2, 3, 5, 8]) for _ in range(14)]
+        assert abs(oracle_seconds(accepts, curve) - brute_seconds(accepts, curve)) < 1e-9
+    assert oracle_seconds([0, 0, 0, 0], curve) == 3.0  # nothing right: three plain steps
+    assert oracle_seconds([0, 3, 2, 1, 0], curve) == 1.7  # one 3-token draft, all accepted, then done
