@@ -317,3 +317,44 @@ def test_the_screen_ranks_rungs_by_the_whole_workloads_predicted_speed():
     search.run()
     assert search.best().setup == setups["q4_k_s"]
     assert {a.setup.model for a in arms if 2 in a.results} >= {"m:q4_k_s", "m:q4_k_m"}
+
+
+def test_a_knobs_values_are_compared_on_the_same_rung_at_the_screen():
+    """The screen varies one knob from the defaults; the combine stage must compare a knob's values
+    like for like. Seen on the default model: flash attention off, screened on the slow-prompt Q4_1,
+    lost to flash attention on with Q8_0's fast prompts, though it was the faster on Q4_1 and on
+    every rung (the exhaustive search's best had it off, 1.37x tune's choice side by side)."""
+    from edgeinfer.tune.search import Arm, Search
+
+    rung = {"m:q4_1": 11.0, "m:q6_k": 19.0, "m:q8_0": 22.0}
+
+    def speed(s: Setup) -> float:  # flash attention off is 1.3x on every rung
+        return (rung[s.model] * (1.0 if s.flash_attn else 1.3) * (0.5 if s.threads == 1 else 1.0)
+                * (1.1 if s.speculate == "lookup" else 1.0))
+
+    class Measurer:
+        stop = None
+
+        def estimate(self, setups, level):
+            return 0.0
+
+        def measure(self, group, level, on_result, remeasure):
+            for s in group:
+                on_result(s, _m(speed(s), level.index), "")
+
+        def projected(self, setup, m):
+            return m.tok_s
+
+    def known(arms):
+        for a in arms:
+            a.kld = 0.0
+
+    setups = [Setup(m, flash_attn=fa, threads=t, speculate=sp) for m in rung for fa in (True, False)
+              for t in (None, 1) for sp in ("off", "lookup")]
+    base = Setup("m:q4_1", flash_attn=True)
+    arms = [Arm(s, 100 << 20) for s in setups]
+    search = Search(arms, Measurer(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, x: None,
+                    baseline=base)
+    search.run()
+    assert sum(1 for a in arms if a.results) < len(arms)  # a partial search, not every setup
+    assert search.best().setup == Setup("m:q8_0", flash_attn=False, speculate="lookup")

@@ -239,20 +239,26 @@ class Search:
         if not measured:
             return []
 
-        def best_values(get: Callable[[Setup], object], k: int) -> set[object]:
+        base = _knobs(self.baseline) if self.baseline is not None else None
+
+        def best_values(knob: int, k: int) -> set[object]:
+            # A knob's values are compared like for like: on the arms that differ from the baseline
+            # in this knob alone (the screen's). Flash attention off, screened on the default
+            # model's Q4_1 (slow prompts), lost to flash attention on with Q8_0's fast prompts,
+            # though on Q4_1 itself it was the faster (the exhaustive search's best had it off).
+            def alike(a: Arm) -> bool:
+                differs = {i for i, (x, y) in enumerate(zip(_knobs(a.setup), base or ())) if x != y}
+                return differs <= {knob} or (knob == 1 and differs == {1, 2} and a.setup.kv_type_v != "f16")
+
+            pool = [a for a in measured if base is not None and alike(a)]
             speed: dict[object, float] = {}
-            for a in measured:
-                v = get(a.setup)
+            for a in pool if len({_knobs(a.setup)[knob] for a in pool}) > 1 else measured:
+                v = _knobs(a.setup)[knob]
                 speed[v] = max(speed.get(v, 0.0), self._speed(a, 0))
             return set(sorted(speed, key=lambda v: -speed[v])[:k])
 
-        keep = {
-            "model": best_values(lambda s: s.model, _TOP),
-            "kv": best_values(lambda s: (s.kv_type_k, s.kv_type_v), _TOP),
-            "fa": best_values(lambda s: s.flash_attn, 1),
-            "threads": best_values(lambda s: s.threads, 1),
-            "spec": best_values(lambda s: (s.speculate, s.draft_max), _TOP),
-        }
+        keep = {"model": best_values(0, _TOP), "kv": best_values(1, _TOP), "fa": best_values(2, 1),
+                "threads": best_values(3, 1), "spec": best_values(4, _TOP)}
         return [a for a in self.arms
                 if a.setup.model in keep["model"] and (a.setup.kv_type_k, a.setup.kv_type_v) in keep["kv"]
                 and (a.setup.flash_attn in keep["fa"] or a.setup.kv_type_v != "f16")
