@@ -30,6 +30,38 @@ def _row(tok_s: float, kld: float, memory: int = 100 << 20, level: int = 2, spec
     return Row(Setup("m:q4_k_m", speculate=spec, threads=kw.pop("threads", None)), _m(tok_s, level, kw.pop("ttft", 0.5)),
                1, kld, memory, **kw)
 
+class _ScriptedMeasurer:
+    """A Measurer whose results are a function of (setup, level): the search alone is under test."""
+
+    stop = None
+
+    def __init__(self, result, projected=lambda setup, m: m.tok_s):
+        self.result = result
+        self.projected = projected
+
+    def estimate(self, setups, level):
+        return 0.0
+
+    def measure(self, setups, level, on_result, remeasure):
+        for s in setups:
+            on_result(s, self.result(s, level.index), "")
+
+
+def _searched(setups, measurer: _ScriptedMeasurer, baseline: Setup):
+    """Every setup as an arm of known KLD 0, searched within an hour: (the search, its arms)."""
+    from edgeinfer.tune.search import Arm, Search
+
+    def known(arms):
+        for a in arms:
+            a.kld = 0.0
+
+    arms = [Arm(s, 100 << 20) for s in setups]
+    search = Search(arms, measurer, budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, m: None,
+                    baseline=baseline)
+    search.run()
+    return search, arms
+
+
 
 def _sweep_frontier(points: list[tuple[float, float]]) -> set[tuple[float, float]]:
     """Maximize speed, minimize KLD, the textbook way: sort by KLD (then speed, descending), keep each
@@ -226,42 +258,19 @@ def test_the_defaults_run_in_the_final_rounds_and_win_when_they_are_fastest():
     defaults: the defaults are measured in the same alternating final rounds, and the fastest of
     them all is the choice (measured apart, once, after the choice was made, a slower finalist was
     kept: a tuned profile slower than none, seen in a suite run)."""
-    from edgeinfer.tune.search import Arm, Search
 
     base = Setup("m:q4_k_m", flash_attn=True)
     speeds = {base: (5.0, 5.0, 8.0), Setup("m:q4_k_m", flash_attn=True, speculate="lookup"): (10.0, 9.0, 6.0),
               Setup("m:q4_k_m", flash_attn=False): (9.0, 8.5, 5.5), Setup("m:q4_k_m", flash_attn=False, speculate="lookup"): (4.0, 4.0, 4.0)}
 
-    class Measurer:
-        stop = None
-
-        def estimate(self, setups, level):
-            return 0.0
-
-        def projected(self, setup, m):
-            return m.tok_s
-
-        def measure(self, setups, level, on_result, remeasure):
-            for s in setups:
-                on_result(s, _m(speeds[s][level.index], level.index), "")
-
-    def known(arms):
-        for a in arms:
-            a.kld = 0.0
-
-    arms = [Arm(s, 100 << 20) for s in speeds]
-    search = Search(arms, Measurer(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, m: None,
-                    baseline=base)
-    search.run()
+    measurer = _ScriptedMeasurer(lambda s, level: _m(speeds[s][level], level))
+    search, arms = _searched(list(speeds), measurer, base)
     best = search.best()
     assert best is not None and best.setup == base, [(a.setup.label(), a.results) for a in arms]
     assert len(best.results[2]) == 2  # in both alternating rounds, as the finalists
     # and without the fix's reason to exist: defaults slower on the whole workload are not chosen
     speeds[base] = (5.0, 5.0, 3.0)
-    arms = [Arm(s, 100 << 20) for s in speeds]
-    search = Search(arms, Measurer(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, m: None,
-                    baseline=base)
-    search.run()
+    search, arms = _searched(list(speeds), measurer, base)
     assert search.best().setup == Setup("m:q4_k_m", flash_attn=True, speculate="lookup")
 
 
@@ -272,7 +281,6 @@ def test_the_screen_ranks_rungs_by_the_whole_workloads_predicted_speed():
     against 6.26 and 5.97). Projected from each screen's prompt times and decode speed, the order
     is the workload's."""
     from edgeinfer.tune.measure import Measurer
-    from edgeinfer.tune.search import Arm, Search
 
     work = default_workload()
     measurer = Measurer(None, work)  # (projected reads only the workload and the prompts' times)
@@ -293,28 +301,11 @@ def test_the_screen_ranks_rungs_by_the_whole_workloads_predicted_speed():
     assert measurer.projected(setups["q4_k_m"], final) == 6.0  # the whole workload speaks for itself
 
     # In the search: the two rungs the combine stage keeps are the two the projection ranks first.
-    class Screen:
-        stop = None
+    def result(s: Setup, level: int) -> Measurement:
+        q = s.model.split(":")[1]
+        return m(q) if level == 0 else replace(final, level=level, tok_s=projected[q])
 
-        def estimate(self, setups, level):
-            return 0.0
-
-        def measure(self, group, level, on_result, remeasure):
-            for s in group:
-                q = s.model.split(":")[1]
-                on_result(s, m(q) if level.index == 0 else replace(final, level=level.index, tok_s=projected[q]), "")
-
-        def projected(self, setup, meas):
-            return measurer.projected(setup, meas)
-
-    def known(arms):
-        for a in arms:
-            a.kld = 0.0
-
-    arms = [Arm(s, 100 << 20) for s in setups.values()]
-    search = Search(arms, Screen(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, x: None,
-                    baseline=setups["q4_k_m"])
-    search.run()
+    search, arms = _searched(setups.values(), _ScriptedMeasurer(result, measurer.projected), setups["q4_k_m"])
     assert search.best().setup == setups["q4_k_s"]
     assert {a.setup.model for a in arms if 2 in a.results} >= {"m:q4_k_s", "m:q4_k_m"}
 
@@ -324,7 +315,6 @@ def test_a_knobs_values_are_compared_on_the_same_rung_at_the_screen():
     like for like. Seen on the default model: flash attention off, screened on the slow-prompt Q4_1,
     lost to flash attention on with Q8_0's fast prompts, though it was the faster on Q4_1 and on
     every rung (the exhaustive search's best had it off, 1.37x tune's choice side by side)."""
-    from edgeinfer.tune.search import Arm, Search
 
     rung = {"m:q4_1": 11.0, "m:q6_k": 19.0, "m:q8_0": 22.0}
 
@@ -332,29 +322,9 @@ def test_a_knobs_values_are_compared_on_the_same_rung_at_the_screen():
         return (rung[s.model] * (1.0 if s.flash_attn else 1.3) * (0.5 if s.threads == 1 else 1.0)
                 * (1.1 if s.speculate == "lookup" else 1.0))
 
-    class Measurer:
-        stop = None
-
-        def estimate(self, setups, level):
-            return 0.0
-
-        def measure(self, group, level, on_result, remeasure):
-            for s in group:
-                on_result(s, _m(speed(s), level.index), "")
-
-        def projected(self, setup, m):
-            return m.tok_s
-
-    def known(arms):
-        for a in arms:
-            a.kld = 0.0
-
     setups = [Setup(m, flash_attn=fa, threads=t, speculate=sp) for m in rung for fa in (True, False)
               for t in (None, 1) for sp in ("off", "lookup")]
-    base = Setup("m:q4_1", flash_attn=True)
-    arms = [Arm(s, 100 << 20) for s in setups]
-    search = Search(arms, Measurer(), budget_s=3600, max_kld=0.05, check_quality=known, journal=lambda a, x: None,
-                    baseline=base)
-    search.run()
+    search, arms = _searched(setups, _ScriptedMeasurer(lambda s, level: _m(speed(s), level)),
+                             Setup("m:q4_1", flash_attn=True))
     assert sum(1 for a in arms if a.results) < len(arms)  # a partial search, not every setup
     assert search.best().setup == Setup("m:q8_0", flash_attn=False, speculate="lookup")

@@ -225,12 +225,7 @@ class Search:
         base = self.baseline
         if base is None or base.key not in self.by_key:
             return self.arms
-        out = []
-        for a in self.arms:
-            differs = {i for i, (x, y) in enumerate(zip(_knobs(a.setup), _knobs(base))) if x != y}
-            forced_fa = a.setup.kv_type_v != "f16" and differs == {1, 2}
-            if len(differs) <= 1 or forced_fa:
-                out.append(a)
+        out = [a for a in self.arms if len(_changed(a.setup, base)) <= 1]
         return self.arms if len(out) * 2 >= len(self.arms) else out
 
     def _combinations(self) -> list[Arm]:
@@ -239,18 +234,14 @@ class Search:
         if not measured:
             return []
 
-        base = _knobs(self.baseline) if self.baseline is not None else None
+        base = self.baseline
 
         def best_values(knob: int, k: int) -> set[object]:
             # A knob's values are compared like for like: on the arms that differ from the baseline
             # in this knob alone (the screen's). Flash attention off, screened on the default
             # model's Q4_1 (slow prompts), lost to flash attention on with Q8_0's fast prompts,
             # though on Q4_1 itself it was the faster (the exhaustive search's best had it off).
-            def alike(a: Arm) -> bool:
-                differs = {i for i, (x, y) in enumerate(zip(_knobs(a.setup), base or ())) if x != y}
-                return differs <= {knob} or (knob == 1 and differs == {1, 2} and a.setup.kv_type_v != "f16")
-
-            pool = [a for a in measured if base is not None and alike(a)]
+            pool = [a for a in measured if base is not None and _changed(a.setup, base) <= {knob}]
             speed: dict[object, float] = {}
             for a in pool if len({_knobs(a.setup)[knob] for a in pool}) > 1 else measured:
                 v = _knobs(a.setup)[knob]
@@ -291,3 +282,10 @@ class Search:
 
 def _knobs(s: Setup) -> tuple[object, ...]:
     return (s.model, (s.kv_type_k, s.kv_type_v), s.flash_attn, s.threads, (s.speculate, s.draft_max))
+
+
+def _changed(s: Setup, base: Setup) -> set[int]:
+    """The knobs (indices of _knobs) in which s differs from base. A quantized V cache brings flash
+    attention on with it: the two count as the cache knob alone."""
+    differs = {i for i, (x, y) in enumerate(zip(_knobs(s), _knobs(base))) if x != y}
+    return {1} if s.kv_type_v != "f16" and differs == {1, 2} else differs
