@@ -345,3 +345,28 @@ def test_a_draft_model_whose_cost_is_only_estimated_explores_at_once():
     fresh.drafted(job)
     later = ModelDrafter(context, LengthPolicy(CostModel(F16_LIKE), SpeculationOptions(method="draft")), 0.0)
     assert first_idle_steps(later) == [0, 0, 0]
+
+
+def test_a_draft_model_that_is_on_but_never_worth_drafting_says_so():
+    """The cost gate judges a draft model at high acceptance; the plan at the acceptance expected.
+    Between the two the draft stays on and drafts nothing: the stats say why (a clean-clone run saw
+    the 0.5B end with drafted=0 and no note, its cost measured cheap by an earlier request)."""
+    from edgeinfer.engine.core.events import SpeculationStats
+    from edgeinfer.engine.speculation import RequestSpeculation
+
+    class Runtime:
+        pass
+
+    class Seq:
+        runtime = Runtime()
+        cached: list[int] = []
+        can_drop_suffix = True
+
+    context = type("Context", (), {"runtime": Seq.runtime, "seqs": {0: Seq()}, "method": "draft"})()
+    stats = SpeculationStats(method="draft")
+    spec = RequestSpeculation(SpeculationOptions(method="draft"), CostModel(F16_LIKE), stats, context, None)
+    spec.start(Seq(), 0)
+    assert spec.model is not None and spec.model.enabled and stats.note == ""
+    for _ in range(3):
+        spec.observe(None, 0, 0, 0.03, 0.03)
+    assert "off" in stats.note and "target steps" in stats.note and stats.plain_steps == 3, stats

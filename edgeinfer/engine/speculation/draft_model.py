@@ -246,6 +246,11 @@ class ModelDrafter:
                          "even at 90 % acceptance")
         return not self.enabled
 
+    def idle_note(self) -> str:
+        """Why a draft that is on has drafted nothing yet: the plan found no step worth it."""
+        return (f"{self.method} off for this request so far: a drafted token costs {self.draft_cost():.2f} target "
+                "steps, not worth drafting at the acceptance expected")
+
     def drafted(self, job: DraftJob) -> None:
         """Learn the draft step's cost from a job just drafted (for this request and the next)."""
         if not job.tokens:

@@ -97,6 +97,7 @@ class RequestSpeculation:
         elif draft is not None and spec.method in ("draft", "self", "auto"):
             self.model = ModelDrafter(draft, LengthPolicy(costs, spec, max_failed_explorations=2), spec.p_min,
                                       draft.method if spec.method == "auto" else self.method)
+        self._idle_note = ""  # the note saying the draft model is on but has drafted nothing yet
         # A draft model follows the request's constraints (its sampler's forks); at T > 0 it samples
         # its drafts from q (the rejection rule verifies).
         self.sampler = sampler if self.model is not None else None
@@ -197,6 +198,9 @@ class RequestSpeculation:
             for p in self.policies():
                 p.observe(0, 0, step_s, 0.0, plain_s, learn_costs=False)
             self.stats.plain_steps += 1
+            if self.model is not None and self.model.enabled and not self.stats.drafted and not self.stats.note:
+                # On (the gate judges it can pay at high acceptance) yet never planned: say so.
+                self.stats.note = self._idle_note = self.model.idle_note()
             return
         assert proposal is not None
         if proposal.kind == "suffix":
@@ -204,6 +208,8 @@ class RequestSpeculation:
         forced = min(proposal.forced, n_drafted)  # (always accepted: not evidence about lookup)
         proposal.policy.observe(n_drafted - forced, max(0, n_accepted - forced), step_s, draft_s, plain_s,
                                 learn_costs=False)
+        if self._idle_note and self.stats.note == self._idle_note:
+            self.stats.note = self._idle_note = ""  # it drafts after all
         self.stats.record(n_drafted, n_accepted)
         if proposal.remembered:
             self.stats.remembered += n_accepted
