@@ -64,7 +64,8 @@ def test_tune_keeps_a_profile_that_run_uses_and_untuned_does_not(tuned):
     home, result, plot = tuned
     choice = result["choice"]["setup"]
     assert choice["speculate"] == "lookup" and choice["kv_type_k"] == choice["kv_type_v"] == "q8_0"
-    assert result["choice"]["kld"] <= result["max_kld"] and result["choice"]["chosen"]
+    assert result["choice"]["kld"] + 2 * result["choice"]["kld_err"] <= result["max_kld"] and result["choice"]["chosen"]
+    assert result["choice"]["kld_err"] > 0  # measured by tune (a q8_0 cache): its standard error comes with it
     assert Path(result["profile"]).is_file() and Path(result["plot"]).is_file()
     for picture in (Path(result["plot"]), plot):  # the store's copy and --plot's
         assert len(ET.parse(picture).getroot().findall("{http://www.w3.org/2000/svg}circle")) >= 1

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 import os
 import random
+import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def _profile(tmp_path: Path, **changes) -> TunedProfile:
     fields = dict(model="m:q4_k_m", setup=Setup("m:q4_k_m"), reference="m:f16", max_kld=0.05, memory=1 << 30,
                   workload={"name": "built-in", "sha256": "0" * 64}, machine=machine_key(), build=build_key(),
                   files={"m:q4_k_m": file_identity(f)}, predicted={"tok_s": 10.0, "kld": 0.01},
-                  rows=(_row(10.0, 0.01, chosen=True),), created="2026-12-04T00:00:00+00:00")
+                  rows=(_row(10.0, 0.01, chosen=True, kld_err=0.002),), created="2026-12-04T00:00:00+00:00")
     fields.update(changes)
     return TunedProfile(**fields)
 
@@ -218,6 +219,7 @@ def test_a_profile_round_trips_and_holds_only_for_its_machine_build_and_files(tm
     (lambda d: {**d, "files": {"m": 3}}, "files"),
     (lambda d: {**d, "setup": {**d["setup"], "threads": "all"}}, "threads"),
     (lambda d: {**d, "rows": [{"setup": d["setup"]}]}, "measurement must be an object"),
+    (lambda d: {**d, "rows": [{**d["rows"][0], "kld_err": -0.1}]}, "bad kld_err"),
 ])
 def test_damaged_profiles_are_refused_in_one_line(tmp_path, mangle, why):
     data = json.loads(_profile(tmp_path).to_json())
@@ -267,11 +269,70 @@ def test_the_defaults_run_in_the_final_rounds_and_win_when_they_are_fastest():
     search, arms = _searched(list(speeds), measurer, base)
     best = search.best()
     assert best is not None and best.setup == base, [(a.setup.label(), a.results) for a in arms]
-    assert len(best.results[2]) == 2  # in both alternating rounds, as the finalists
+    assert len(best.results[2]) == 5  # in every alternating round (an hour's budget leaves room for five)
     # and without the fix's reason to exist: defaults slower on the whole workload are not chosen
     speeds[base] = (5.0, 5.0, 3.0)
     search, arms = _searched(list(speeds), measurer, base)
     assert search.best().setup == Setup("m:q4_k_m", flash_attn=True, speculate="lookup")
+
+
+def test_the_final_rounds_go_on_while_a_whole_round_fits_in_the_budget():
+    """Two rounds always; then more of them all, alternating, while the measurer's estimate of a
+    round ends within the budget: the choice and its prediction are medians of more runs. On a
+    scripted clock a run of the whole workload takes 10 s and the search's earlier stages 0 s."""
+    from edgeinfer.tune.search import Arm, Search
+
+    now = [0.0]
+    order: list[Setup] = []
+
+    class Timed(_ScriptedMeasurer):
+        def estimate(self, setups, level):
+            return 10.0 * len(setups) if level.index == 2 else 0.0
+
+        def measure(self, setups, level, on_result, remeasure):
+            if level.index == 2:
+                now[0] += 10.0 * len(setups)
+                order.extend(setups)
+            super().measure(setups, level, on_result, remeasure)
+
+    base = Setup("m:q4_k_m", flash_attn=True)
+    fast = Setup("m:q4_k_s", flash_attn=True)
+    runs = {base: iter([5.0, 5.2, 4.0, 5.1, 5.3]), fast: iter([6.0, 9.0, 6.2, 6.1, 12.0])}
+
+    def result(s: Setup, level: int) -> Measurement:
+        return _m(next(runs[s]) if level == 2 else {base: 5.0, fast: 6.0}[s], level)
+
+    for budget, rounds in ((45.0, 2), (65.0, 3), (1e4, 5)):
+        now[0] = 0.0
+        order.clear()
+        runs = {base: iter([5.0, 5.2, 4.0, 5.1, 5.3]), fast: iter([6.0, 9.0, 6.2, 6.1, 12.0])}
+        arms = [Arm(s, 100 << 20, kld=0.0) for s in (base, fast)]
+        search = Search(arms, Timed(result), budget_s=budget, max_kld=0.05, check_quality=lambda a: None,
+                        journal=lambda a, m: None, baseline=base, clock=lambda: now[0])
+        search.run()
+        assert [len(a.results[2]) for a in arms] == [rounds, rounds], budget
+        assert order == [base, fast, fast, base, base, fast, fast, base, base, fast][: 2 * rounds]  # alternating
+        assert not search.stopped  # a round that did not fit was not begun: nothing was cut short
+        fast_runs = [6.0, 9.0, 6.2, 6.1, 12.0][:rounds]
+        assert search.best().setup == fast and search.best().tok_s() == statistics.median(fast_runs)
+
+
+def test_a_kld_within_the_bound_by_less_than_two_standard_errors_is_not_within():
+    """Tune's KLD is measured on the text's first chunks: a sample. On the default model a Q4_K_M read
+    0.0492 ± 0.0013 there (bound 0.05) and 0.0522 ± 0.0026 on the whole text, and a tune chose it.
+    A KLD counts as within when it is with two standard errors to spare."""
+    from edgeinfer.tune.search import Arm, Search
+
+    q4 = Setup("m:q4_k_m", flash_attn=True)
+    q6 = Setup("m:q6_k", flash_attn=True)
+    speed = {q4: 38.0, q6: 33.0}
+    for err, chosen in ((0.0013, q6), (0.0003, q4), (0.0, q4)):
+        arms = [Arm(q4, 100 << 20, kld=0.0492, kld_err=err), Arm(q6, 100 << 20, kld=0.0085, kld_err=0.0002)]
+        search = Search(arms, _ScriptedMeasurer(lambda s, level: _m(speed[s], level)), budget_s=3600, max_kld=0.05,
+                        check_quality=lambda a: None, journal=lambda a, m: None, baseline=q4)
+        search.run()
+        assert search.best().setup == chosen, err
+        assert arms[0].kld_bound() == pytest.approx(0.0492 + 2 * err)
 
 
 def test_the_screen_ranks_rungs_by_the_whole_workloads_predicted_speed():

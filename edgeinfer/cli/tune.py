@@ -69,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", nargs="?", help="store model to tune (default: the default model)")
     p.add_argument("--max-kld", type=_kld, default=edgeinfer.DEFAULT_MAX_KLD,
-                   help=f"quality bound: mean KLD against the reference (default {edgeinfer.DEFAULT_MAX_KLD}: "
-                   "between Q6_K and Q4_K_M on the ladders measured here, see the README)")
+                   help="quality bound: mean KLD plus two standard errors against the reference (default "
+                   f"{edgeinfer.DEFAULT_MAX_KLD}: between Q6_K and Q4_K_M on the ladders measured here, see the README)")
     p.add_argument("--memory", type=size_type("--memory"), metavar="SIZE",
                    help="memory a setup may take, by edgeinfer fit's estimate: e.g. 4G (default: what this machine "
                    "has available now)")
@@ -160,7 +160,7 @@ def _report(result, header: list[str], plot: str | None) -> None:  # noqa: ANN00
         vs = f" ({result.speedup:.2f}× the untuned defaults' {result.baseline.measurement.tok_s:.1f})"
     print(f"\nchose  {c.setup.label(short_model=False)}")
     print(f"       {m.tok_s:.1f} tok/s on the {result.workload.name} workload{vs}, time to first token "
-          f"{m.ttft_s:.2f} s, KLD {c.kld:.4f} (max {result.max_kld:g}, against {result.reference}), "
+          f"{m.ttft_s:.2f} s, KLD {c.kld:.4f} ± {c.kld_err:.4f} (max {result.max_kld:g}, against {result.reference}), "
           f"{format_bytes(c.memory)}")
     for run in result.serve_runs:
         mark = "*" if result.serve == run else " "

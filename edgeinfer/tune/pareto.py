@@ -28,6 +28,7 @@ class Row:
     memory: int
     chosen: bool = False
     on_frontier: bool = False
+    kld_err: float = 0.0  # the KLD's standard error (0: none known)
 
     @property
     def level(self) -> int:
@@ -36,7 +37,7 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {"setup": self.setup.to_dict(), "label": self.setup.label(), "measurement": self.measurement.to_dict(),
                 "runs": self.runs, "kld": self.kld, "memory": self.memory, "chosen": self.chosen,
-                "on_frontier": self.on_frontier}
+                "on_frontier": self.on_frontier, "kld_err": self.kld_err}
 
     @classmethod
     def from_dict(cls, data: object) -> Row:
@@ -50,8 +51,11 @@ class Row:
             raise ValueError(f"bad memory {memory!r}")
         if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
             raise ValueError(f"bad runs {runs!r}")
-        return cls(setup, measurement, runs,
-                   None if kld is None else float(kld), memory, bool(data.get("chosen")), bool(data.get("on_frontier")))
+        err = data.get("kld_err", 0.0)
+        if isinstance(err, bool) or not isinstance(err, (int, float)) or not 0 <= err < 1e6:
+            raise ValueError(f"bad kld_err {err!r}")
+        return cls(setup, measurement, runs, None if kld is None else float(kld), memory, bool(data.get("chosen")),
+                   bool(data.get("on_frontier")), float(err))
 
 
 def pareto(items: Sequence[T], score: Callable[[T], tuple[float, ...]]) -> list[T]:

@@ -61,6 +61,7 @@ class Quality:
         self.note = on_note
         self.text_sha = hashlib.sha256(default_eval_text().encode("utf-8")).hexdigest()
         self.kld: dict[tuple[str, str, str], float] = {}
+        self.err: dict[tuple[str, str, str], float] = {}  # the KLDs' standard errors, where known
 
     @property
     def tokens(self) -> int:
@@ -71,6 +72,16 @@ class Quality:
         ident = json.dumps([file_identity(self.reference.path), file_identity(m.path)], sort_keys=True)
         digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
         return f"v1|{digest}|{k}/{v}|ctx{self.ctx}|c{self.chunks}|{self.text_sha[:16]}"
+
+    def error(self, key: tuple[str, str, str]) -> float:
+        """The standard error of a known KLD (0 when none was kept with it)."""
+        return self.err.get(key, 0.0)
+
+    def _keep(self, key: tuple[str, str, str], kld: object, err: object) -> float:
+        self.kld[key] = float(kld)  # type: ignore[arg-type]
+        if isinstance(err, (int, float)) and not isinstance(err, bool) and 0 <= err < 1e6:
+            self.err[key] = float(err)
+        return self.kld[key]
 
     def known(self, key: tuple[str, str, str]) -> float | None:
         """A KLD measured before (this run, an earlier tune, or `eval`), or None."""
@@ -86,15 +97,13 @@ class Quality:
         if (k, v) == ("f16", "f16") and isinstance(ev, dict) and ev.get("reference") == self.reference.ref \
                 and ev.get("text_sha256") == self.text_sha and isinstance(ev.get("kld"), (int, float)) \
                 and ev.get("kv_types", "f16/f16") == "f16/f16":
-            self.kld[key] = float(ev["kld"])
-            return self.kld[key]
+            return self._keep(key, ev["kld"], ev.get("kld_stderr"))
         try:
             cached = self.store.read_cache(_CACHE_KIND, self._cache_key(m, k, v))
         except OSError:
             cached = None
         if isinstance(cached, dict) and isinstance(cached.get("kld"), (int, float)) and not isinstance(cached["kld"], bool):
-            self.kld[key] = float(cached["kld"])
-            return self.kld[key]
+            return self._keep(key, cached["kld"], cached.get("kld_stderr"))
         return None
 
     def measure(self, keys: Iterable[tuple[str, str, str]], cancel: Callable[[], bool] = lambda: False) -> None:
@@ -111,7 +120,7 @@ class Quality:
                                 model_kv_types=[(k, v) for _r, k, v in missing])
         for (ref, k, v), r in zip(missing, results):
             assert r.kld is not None
-            self.kld[(ref, k, v)] = r.kld
+            self._keep((ref, k, v), r.kld, r.kld_stderr)
             try:
                 self.store.write_cache(_CACHE_KIND, self._cache_key(self.store.get(ref), k, v), {
                     "kld": r.kld, "kld_stderr": r.kld_stderr, "same_top": r.same_top, "positions": r.positions,

@@ -27,7 +27,7 @@ from .measure import LEVELS, Measurement, Measurer
 from .pareto import Row, frontier, table_rows
 from .profile import TunedProfile, now_iso, plot_path, save_profile
 from .quality import QUALITY_CHUNKS, Quality, choose_reference
-from .search import Arm, Search, SearchEvent
+from .search import KLD_MARGIN, Arm, Search, SearchEvent
 from .serving import ServeRun, choose_parallel, measure_serving
 from .space import KV_PAIRS, METHODS, Setup, SpaceContext, untuned_setup
 from .workload import Workload, default_workload, load_workload
@@ -304,8 +304,8 @@ def tune(
         raise NoSetupError(f"no setup of {target.name} fits in {memory / 2**30:.2f} GiB ({too_big} need more): "
                            "raise --memory or use a smaller rung")
     for a in arms:
-        a.kld = quality.known(a.setup.quality_key)
-    if all(a.kld is not None and a.kld > max_kld for a in arms):  # known already: no need to measure speeds
+        a.kld, a.kld_err = quality.known(a.setup.quality_key), quality.error(a.setup.quality_key)
+    if all(a.kld is not None and a.kld_bound() > max_kld for a in arms):  # known already: no need to measure speeds
         raise NoSetupError(_nothing_meets(target, arms, max_kld, memory))
     journal = _Journal(store, target.name, work, fresh)
     reused = journal.restore(arms)
@@ -325,7 +325,7 @@ def tune(
         quality.measure(keys)
         for a in arms:
             if a.kld is None:
-                a.kld = quality.known(a.setup.quality_key)
+                a.kld, a.kld_err = quality.known(a.setup.quality_key), quality.error(a.setup.quality_key)
 
     def on_event(e: SearchEvent) -> None:
         say(e.stage, e.message, e.done, e.total, e.best)
@@ -375,16 +375,17 @@ def _baseline(arms: list[Arm], target: ModelManifest) -> Arm | None:
 
 def _nothing_meets(target: ModelManifest, arms: list[Arm], max_kld: float, memory: int) -> str:
     known = [a for a in arms if a.kld is not None]
-    if any(a.kld is not None and a.kld <= max_kld for a in arms) and not any(a.results for a in arms):
+    if any(a.kld is not None and a.kld_bound() <= max_kld for a in arms) and not any(a.results for a in arms):
         return (f"no setup of {target.name} could be measured whole within the budget (the first took longer): "
                 "raise --budget")
     if not known:
         return f"no setup of {target.name} could be measured within the budget: raise --budget"
-    closest = min(known, key=lambda a: a.kld or 0.0)
+    closest = min(known, key=lambda a: a.kld_bound() or 0.0)
     kv = closest.setup.kv_type_k if closest.setup.kv_type_k == closest.setup.kv_type_v else \
         f"{closest.setup.kv_type_k}/{closest.setup.kv_type_v}"
     return (f"no setup of {target.name} within {memory / 2**30:.2f} GiB meets --max-kld {max_kld:g}: the closest is "
-            f"{closest.setup.model} with a {kv} cache, KLD {closest.kld:.4f}; raise --max-kld or --memory, or add a "
+            f"{closest.setup.model} with a {kv} cache, KLD {closest.kld:.4f} ± {closest.kld_err:.4f} (within means "
+            f"KLD + {KLD_MARGIN:g} standard errors ≤ the bound); raise --max-kld or --memory, or add a "
             "higher-precision rung (--make, or convert/pull the original weights)")
 
 
@@ -395,15 +396,16 @@ def _result(target: ModelManifest, reference: ModelManifest, best: Arm, arms: li
     for a in arms:
         m = a.summary()
         if m is not None:
-            rows.append(Row(a.setup, m, len(a.results[m.level]), a.kld, a.memory, chosen=a is best))
+            rows.append(Row(a.setup, m, len(a.results[m.level]), a.kld, a.memory, chosen=a is best, kld_err=a.kld_err))
     front = {r.setup.key for r in frontier(rows)}
-    rows = [Row(r.setup, r.measurement, r.runs, r.kld, r.memory, r.chosen, r.setup.key in front) for r in rows]
+    rows = [replace(r, on_frontier=r.setup.key in front) for r in rows]
     choice = next(r for r in rows if r.chosen)
     base_row = None
     if baseline is not None and choice.level in baseline.results:
         bm = baseline.summary(choice.level)
         assert bm is not None
-        base_row = Row(baseline.setup, bm, len(baseline.results[choice.level]), baseline.kld, baseline.memory)
+        base_row = Row(baseline.setup, bm, len(baseline.results[choice.level]), baseline.kld, baseline.memory,
+                       kld_err=baseline.kld_err)
     if choice.level < LEVELS[-1].index:
         notes.append(f"the budget ended before the whole workload was measured: the choice's speed is from level "
                      f"{choice.level} (raise --budget for the whole workload)")
