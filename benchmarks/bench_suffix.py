@@ -100,6 +100,15 @@ def sequences() -> dict[str, list[list[dict[str, str]]]]:
     return {"tools": tools, "tests": tests}
 
 
+def _same(texts: list[str], plain: list[str]) -> str:
+    """'True', or which answers differ from off's (index, first differing character). On a quantized
+    model a batch of rows and one row give logits a few tenths apart (llama.cpp's kernels): a greedy
+    answer can part at a near-tie, which RESULTS.md shows with the tie's margin."""
+    differ = [f"{i}@{next((j for j, (a, b) in enumerate(zip(t, p)) if a != b), min(len(t), len(p)))}"
+              for i, (t, p) in enumerate(zip(texts, plain)) if t != p]
+    return "True" if not differ else "differs: " + " ".join(differ)
+
+
 def run_ours(engine, prompts: list[list[int]], method: str, scope: str, tokens: int,
              fresh: list[int] | None = None) -> tuple[float, list[str], int, float | None]:
     """(decode tok/s of requests 2..n, every answer's text, tokens drafted from earlier answers,
@@ -180,7 +189,9 @@ def main() -> None:
                         speeds.setdefault(row, []).append(run_llama_lookup(target, texts, args.tokens,
                                                                            args.lookup_draft, args.threads))
                         continue
-                    tok_s, out, rem, fresh_s = run_ours(engine, prompts, row, f"bench-{row}-{r}", args.tokens, fresh)
+                    # a scope per sequence, row and round: nothing remembered from another sequence's answers
+                    tok_s, out, rem, fresh_s = run_ours(engine, prompts, row, f"bench-{name}-{row}-{r}", args.tokens,
+                                                        fresh)
                     speeds.setdefault(row, []).append(tok_s)
                     if fresh_s is not None:
                         fresh_speeds.setdefault(row, []).append(fresh_s)
@@ -194,7 +205,7 @@ def main() -> None:
             print("| --- | ---: | ---: | --- | --- | ---: |")
             for row, v in speeds.items():
                 med = statistics.median(v)
-                same = "–" if row not in answers or "off" not in answers else str(answers[row] == answers["off"])
+                same = "–" if row not in answers or "off" not in answers else _same(answers[row], answers["off"])
                 print(f"| {row} | {med:.2f} | {med / plain:.2f} | {', '.join(f'{x:.2f}' for x in v)} | {same} | "
                       f"{statistics.median(remembered[row]) if row in remembered else '–'} |" if plain else
                       f"| {row} | {med:.2f} | – | {', '.join(f'{x:.2f}' for x in v)} | {same} | – |")

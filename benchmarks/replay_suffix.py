@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def record_sequence(name: str, tokens: int, record: Path | None, threads: int = 
     key = f"sequence|{name}|{tokens}"
     if key not in known:
         target = str(qwen_pair()[0])
-        with edgeinfer.load(target, n_ctx=4096, n_threads=threads, flash_attn=False) as engine:
+        with tempfile.TemporaryDirectory(prefix="edgeinfer-replay-") as home, \
+                edgeinfer.load(target, n_ctx=4096, n_threads=threads, flash_attn=False,
+                               store=edgeinfer.Store(Path(home))) as engine:  # never the user's own store
             prompts = [engine.tokenize(engine.render_chat(m), add_special=False, parse_special=True)
                        for m in sequences()[name]]
             outputs = []
