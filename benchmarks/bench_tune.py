@@ -14,7 +14,8 @@ measured by this benchmark's own loop after `tune` ran (not by tune's numbers), 
    cache types' KLD itself).
 2. `edgeinfer tune MODEL --budget B --json` in a subprocess, timed.
 3. With --exhaustive: `edgeinfer tune MODEL --exhaustive --no-save --json` on the same space (the
-   measurements tune took are reused; the rest are measured on the whole workload).
+   measurements tune took are reused; the rest are measured on the whole workload). `--compare
+   SETUP_JSON` puts an earlier exhaustive search's best in the side by side instead.
 4. The separate benchmark: the tuned setup, the exhaustive search's best and the untuned defaults
    (`run MODEL` without a profile: LoadOptions(), no speculation), each loaded once per round and run
    on the whole workload, every request from an empty cache, greedy, timed from its submission to its
@@ -143,6 +144,8 @@ def main() -> int:
     ap.add_argument("--exhaustive", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-tune", action="store_true", help="use the stored profile (a tune already ran)")
+    ap.add_argument("--compare", help="one more setup in the side by side, as tune's JSON writes one (e.g. an "
+                    "earlier exhaustive search's best, without running that search again)")
     args = ap.parse_args()
     os.environ["EDGEINFER_HOME"] = args.home
 
@@ -176,6 +179,8 @@ def main() -> int:
         if setups["exhaustive"] == setups["tuned"]:
             del setups["exhaustive"]
             print("  (the exhaustive search's best is tune's choice)")
+    if args.compare:
+        setups["exhaustive"] = Setup.from_dict(json.loads(args.compare))
     print(f"side by side, {args.rounds} rounds, alternating:", flush=True)
     runs = side_by_side(setups, args.rounds)
     med = {k: statistics.median(t for t, _ in v) for k, v in runs.items()}
