@@ -77,6 +77,11 @@ class Quality:
         """The standard error of a known KLD (0 when none was kept with it)."""
         return self.err.get(key, 0.0)
 
+    def known_with_error(self, key: tuple[str, str, str]) -> tuple[float | None, float]:
+        """`known` and `error` in one: the KLD (or None) and its standard error."""
+        kld = self.known(key)
+        return kld, self.error(key)
+
     def _keep(self, key: tuple[str, str, str], kld: object, err: object) -> float:
         self.kld[key] = float(kld)  # type: ignore[arg-type]
         if isinstance(err, (int, float)) and not isinstance(err, bool) and 0 <= err < 1e6:

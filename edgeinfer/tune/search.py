@@ -76,6 +76,11 @@ class Arm:
         was over the bound."""
         return None if self.kld is None else self.kld + KLD_MARGIN * self.kld_err
 
+    def within(self, max_kld: float, unknown_ok: bool = False) -> bool:
+        """Whether the KLD bound is at most `max_kld`; an unknown KLD counts as within if `unknown_ok`."""
+        bound = self.kld_bound()
+        return (bound is None and unknown_ok) or (bound is not None and bound <= max_kld)
+
     @property
     def top_level(self) -> int | None:
         return max(self.results) if self.results else None
@@ -246,8 +251,7 @@ class Search:
         return [a for a in arms if level not in a.results and a.failed is None and self._within(a, unknown_ok=True)]
 
     def _within(self, a: Arm, unknown_ok: bool = False) -> bool:
-        bound = a.kld_bound()
-        return (bound is None and unknown_ok) or (bound is not None and bound <= self.max_kld)
+        return a.within(self.max_kld, unknown_ok)
 
     def _screening(self) -> list[Arm]:
         """The baseline and every arm that differs from it in one knob (a quantized V cache, which

@@ -304,8 +304,8 @@ def tune(
         raise NoSetupError(f"no setup of {target.name} fits in {memory / 2**30:.2f} GiB ({too_big} need more): "
                            "raise --memory or use a smaller rung")
     for a in arms:
-        a.kld, a.kld_err = quality.known(a.setup.quality_key), quality.error(a.setup.quality_key)
-    if all(a.kld is not None and a.kld_bound() > max_kld for a in arms):  # known already: no need to measure speeds
+        a.kld, a.kld_err = quality.known_with_error(a.setup.quality_key)
+    if all(a.kld is not None and not a.within(max_kld) for a in arms):  # known already: no need to measure speeds
         raise NoSetupError(_nothing_meets(target, arms, max_kld, memory))
     journal = _Journal(store, target.name, work, fresh)
     reused = journal.restore(arms)
@@ -325,7 +325,7 @@ def tune(
         quality.measure(keys)
         for a in arms:
             if a.kld is None:
-                a.kld, a.kld_err = quality.known(a.setup.quality_key), quality.error(a.setup.quality_key)
+                a.kld, a.kld_err = quality.known_with_error(a.setup.quality_key)
 
     def on_event(e: SearchEvent) -> None:
         say(e.stage, e.message, e.done, e.total, e.best)
@@ -375,7 +375,7 @@ def _baseline(arms: list[Arm], target: ModelManifest) -> Arm | None:
 
 def _nothing_meets(target: ModelManifest, arms: list[Arm], max_kld: float, memory: int) -> str:
     known = [a for a in arms if a.kld is not None]
-    if any(a.kld is not None and a.kld_bound() <= max_kld for a in arms) and not any(a.results for a in arms):
+    if any(a.within(max_kld) for a in arms) and not any(a.results for a in arms):
         return (f"no setup of {target.name} could be measured whole within the budget (the first took longer): "
                 "raise --budget")
     if not known:
