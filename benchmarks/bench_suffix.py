@@ -13,7 +13,12 @@ whether every row's text equals `off`'s. llama-lookup's rows are beside its own 
 ours but of its own kernels). The tools come from benchmarks/build_llama_tools.sh.
 
     .venv/bin/python -m benchmarks.bench_suffix [--rounds 2] [--sequences tools,tests] [--rows off,suffix,auto,llama-lookup]
-        [--tokens 96] [--model GGUF] [--fresh]
+        [--tokens 96] [--model GGUF] [--fresh] [--record FILE]
+
+Row `oracle` (benchmarks/oracle_drafter.py): the engine drafting `off`'s own answer wherever the
+request's text or the earlier answers continue it, at the lengths cheapest on the cost curve
+(measured at the prompts' depth, or read from `--record`, replay_suffix's file): the ceiling of any
+`suffix`/`auto` policy on this engine and machine.
 
 `--fresh`: after each of our rows' sequence, one more request in the same memory scope that
 repeats none of it (FRESH, a coding question): its decode tok/s against `off`'s, the floor being
@@ -110,7 +115,7 @@ def _same(texts: list[str], plain: list[str]) -> str:
 
 
 def run_ours(engine, prompts: list[list[int]], method: str, scope: str, tokens: int,
-             fresh: list[int] | None = None) -> tuple[float, list[str], int, float | None]:
+             fresh: list[int] | None = None, adaptive: bool = True) -> tuple[float, list[str], int, float | None]:
     """(decode tok/s of requests 2..n, every answer's text, tokens drafted from earlier answers,
     decode tok/s of the `fresh` prompt asked after them in the same scope)."""
     import edgeinfer
@@ -119,7 +124,8 @@ def run_ours(engine, prompts: list[list[int]], method: str, scope: str, tokens: 
     fresh_tok_s = None
     for i, p in enumerate(prompts + ([fresh] if fresh else [])):
         opts = edgeinfer.GenerateOptions(max_tokens=tokens, sampling=edgeinfer.SamplingOptions(temperature=0.0),
-                                         speculation=edgeinfer.SpeculationOptions(method=method, memory_scope=scope))
+                                         speculation=edgeinfer.SpeculationOptions(method=method, memory_scope=scope,
+                                                                                 adaptive=adaptive))
         done = engine.generate(p, opts).result()
         texts.append(done.text)
         if i == len(prompts):
@@ -161,6 +167,7 @@ def main() -> None:
     ap.add_argument("--lookup-draft", type=int, default=8, help="llama-lookup's --spec-draft-n-max")
     ap.add_argument("--model", help="a GGUF file instead of the real 1.5B (e.g. the default model's)")
     ap.add_argument("--fresh", action="store_true", help="also time a fresh coding question after each sequence")
+    ap.add_argument("--record", type=Path, help="replay_suffix's record file: the oracle row's cost curve")
     args = ap.parse_args()
     import edgeinfer
     from tests.real_models import qwen_pair
@@ -178,6 +185,16 @@ def main() -> None:
             prompts = [engine.tokenize(t, add_special=False, parse_special=True) for t in texts]
             fresh = (engine.tokenize(engine.render_chat(FRESH), add_special=False, parse_special=True)
                      if args.fresh else None)
+            oracle = None
+            if "oracle" in rows:
+                from benchmarks.oracle_drafter import OracleDrafts, plain_answers
+                from benchmarks.replay_speculation import recorded_curve
+
+                depth = round(statistics.median(len(p) for p in prompts), -2)
+                curve = recorded_curve(engine, prompts[0], depth, 33, args.record)
+                oracle = OracleDrafts(prompts, plain_answers(engine, prompts, args.tokens), curve)
+                print(f"{name}: the oracle has a right draft at {oracle.right} positions of requests 2..n; its curve "
+                      f"(rows: x one row) " + " ".join(f"{b}:{curve[b] / curve[1]:.2f}" for b in (2, 3, 4, 5, 8, 16, 32)))
             fresh_speeds: dict[str, list[float]] = {}
             speeds: dict[str, list[float]] = {}
             answers: dict[str, list[str]] = {}
@@ -190,8 +207,14 @@ def main() -> None:
                                                                            args.lookup_draft, args.threads))
                         continue
                     # a scope per sequence, row and round: nothing remembered from another sequence's answers
-                    tok_s, out, rem, fresh_s = run_ours(engine, prompts, row, f"bench-{name}-{row}-{r}", args.tokens,
-                                                        fresh)
+                    if row == "oracle":
+                        assert oracle is not None
+                        with oracle.active():
+                            tok_s, out, rem, fresh_s = run_ours(engine, prompts, "lookup", f"bench-{name}-{row}-{r}",
+                                                                args.tokens, adaptive=False)
+                    else:
+                        tok_s, out, rem, fresh_s = run_ours(engine, prompts, row, f"bench-{name}-{row}-{r}",
+                                                            args.tokens, fresh)
                     speeds.setdefault(row, []).append(tok_s)
                     if fresh_s is not None:
                         fresh_speeds.setdefault(row, []).append(fresh_s)
@@ -209,6 +232,8 @@ def main() -> None:
                 print(f"| {row} | {med:.2f} | {med / plain:.2f} | {', '.join(f'{x:.2f}' for x in v)} | {same} | "
                       f"{statistics.median(remembered[row]) if row in remembered else '–'} |" if plain else
                       f"| {row} | {med:.2f} | – | {', '.join(f'{x:.2f}' for x in v)} | {same} | – |")
+            if oracle is not None:
+                print(f"oracle: {oracle.drafted} tokens drafted over {args.rounds} rounds")
             if fresh_speeds.get("off"):
                 base = statistics.median(fresh_speeds["off"])
                 print(f"\nfresh coding question after the sequence, same scope (decode tok/s; × off): " + ", ".join(

@@ -82,12 +82,24 @@ def oracle_accepts(prompt: list[int], output: list[int], earlier: list[list[int]
 def oracle_seconds(accepts: list[int], curve: dict[int, float]) -> float:
     """The least time the curve charges to produce output[1:] when at position i a draft of up to
     accepts[i] tokens is known right (each step: j drafted and accepted + 1 sampled, curve[j + 1])."""
+    return _oracle_schedule(accepts, curve)[0]
+
+
+def oracle_plan(accepts: list[int], curve: dict[int, float]) -> list[int]:
+    """The draft length at each position of oracle_seconds' cheapest schedule (0: a plain step there;
+    from any position the lengths onwards are the cheapest, so a schedule pushed off its path by a
+    plain step goes on optimally)."""
+    return _oracle_schedule(accepts, curve)[1]
+
+
+def _oracle_schedule(accepts: list[int], curve: dict[int, float]) -> tuple[float, list[int]]:
     n = len(accepts)
     big = max(curve)
     cost = [0.0] * (n + 1)
+    plan = [0] * n
     for i in range(n - 1, 0, -1):
-        cost[i] = min(curve[min(j + 1, big)] + cost[min(i + j + 1, n)] for j in range(0, accepts[i] + 1))
-    return cost[1] if n > 1 else 0.0
+        cost[i], plan[i] = min((curve[min(j + 1, big)] + cost[min(i + j + 1, n)], j) for j in range(0, accepts[i] + 1))
+    return (cost[1] if n > 1 else 0.0), plan
 
 
 def record_sequence(name: str, tokens: int, record: Path | None, threads: int = 2):

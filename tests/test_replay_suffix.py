@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import random
 
-from benchmarks.replay_suffix import oracle_accepts, oracle_seconds
+from benchmarks.oracle_drafter import OracleDrafts
+from benchmarks.replay_suffix import oracle_accepts, oracle_plan, oracle_seconds
 
 
 def brute_accepts(prompt: list[int], output: list[int], earlier: list[list[int]], i: int, min_match: int = 1) -> int:
@@ -24,8 +25,8 @@ def brute_accepts(prompt: list[int], output: list[int], earlier: list[list[int]]
     return best
 
 
-def brute_seconds(accepts: list[int], curve: dict[int, float]) -> float:
-    """Every sequence of step lengths tried (recursion over positions)."""
+def brute_seconds(accepts: list[int], curve: dict[int, float], start: int = 1) -> float:
+    """Every sequence of step lengths from `start` tried (recursion over positions)."""
     n = len(accepts)
 
     @functools.lru_cache(maxsize=None)
@@ -34,7 +35,7 @@ def brute_seconds(accepts: list[int], curve: dict[int, float]) -> float:
             return 0.0
         return min(curve[min(j + 1, max(curve))] + cost(i + j + 1) for j in range(accepts[i] + 1))
 
-    return cost(1)
+    return cost(start)
 
 
 def test_the_any_match_oracle_is_the_best_continuation_of_any_agreeing_place():
@@ -57,3 +58,38 @@ def test_the_oracle_time_is_the_least_over_every_choice_of_step_lengths():
         assert abs(oracle_seconds(accepts, curve) - brute_seconds(accepts, curve)) < 1e-9
     assert oracle_seconds([0, 0, 0, 0], curve) == 3.0  # nothing right: three plain steps
     assert oracle_seconds([0, 3, 2, 1, 0], curve) == 1.7  # one 3-token draft, all accepted, then done
+
+
+def _walk(accepts: list[int], plan: list[int], curve: dict[int, float], start: int = 1) -> float:
+    """The time of the schedule the plan gives, stepping from `start`."""
+    i, spent = start, 0.0
+    while i < len(accepts):
+        assert 0 <= plan[i] <= accepts[i]  # never more than is right
+        spent += curve[min(plan[i] + 1, max(curve))]
+        i += plan[i] + 1
+    return spent
+
+
+def test_the_oracle_plan_walks_the_cheapest_schedule_from_every_position():
+    rng = random.Random(7)
+    curve = {1: 1.0, 2: 1.5, 3: 1.8, 4: 1.7, 5: 2.1, 6: 2.5, 7: 2.8, 8: 3.4, 9: 3.2}
+    for _ in range(50):
+        accepts = [0] + [rng.choice([0, 0, 1, 2, 3, 5, 8]) for _ in range(14)]
+        plan = oracle_plan(accepts, curve)
+        for start in range(1, len(accepts)):  # also where a plain step (a refresh) left the path
+            assert abs(_walk(accepts, plan, curve, start) - brute_seconds(accepts, curve, start)) < 1e-9
+    assert oracle_plan([0, 3, 2, 1, 0], curve)[1] == 3  # the 4-row step is cheaper than 3 rows here
+
+
+def test_the_oracle_drafter_drafts_the_answer_only_on_its_path():
+    curve = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.5, 5: 1.6}
+    first, second = [9, 9, 1, 2, 3, 4, 5], [8, 8, 1, 2, 3, 4, 5]
+    answer = [1, 2, 3, 4, 5, 6]
+    oracle = OracleDrafts([first, second], [[1, 2, 3, 4, 5, 6], answer], curve)
+    assert oracle.right == 5  # every position after the first: the earlier answer continues it
+    # 4 drafted and the 6 sampled with them (5 rows: 1.6) ends the answer in one step
+    assert oracle.draft(second + answer[:1], room=8) == [2, 3, 4, 5]
+    assert oracle.draft(second + answer[:1], room=2) == [2, 3]  # never past the room
+    assert oracle.draft(second + answer[:5], room=8) == []  # the plan's plain step there (nothing after 6)
+    assert oracle.draft(second + [7], room=8) == []  # the text parted from the answer
+    assert oracle.draft(first + answer[:1], room=8) == []  # request 1 has nothing earlier to draft from
