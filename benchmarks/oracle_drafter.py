@@ -3,9 +3,10 @@
 replay_suffix's `any` oracle says what a chain drafter reading the request's text and the earlier
 answers could reach on the recorded curve. This runs that oracle on the engine: at each position it
 drafts `off`'s answer (this run's, generated before the rounds) for as far as some place of that text
-continues it, at the lengths that cost least on the curve (replay_suffix.oracle_plan), and nothing
-elsewhere. Every draft is right, so the row is what our scheduler, verification and plain refresh
-steps make of perfect choices — the most any `suffix` or `auto` policy could read on this machine.
+continues it, at the lengths that cost least on the curve (replay_suffix.oracle_plan), padded with a
+token that is not kept where more rows cost less (replay_suffix.padded), and nothing elsewhere. The
+drafts it expects kept are right, so the row is what our scheduler and verification make of perfect
+choices — the most any `suffix` or `auto` policy could read on this machine.
 
 It works by a benchmark-only patch of RequestSpeculation.propose while the row runs (the package
 has no oracle drafter and needs none); the row asks for `lookup` with `adaptive=False` so that each
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from benchmarks.replay_suffix import corpus_texts, oracle_accepts, oracle_plan
+from benchmarks.replay_suffix import corpus_texts, oracle_accepts, oracle_plan, padded
 
 
 def plain_answers(engine, prompts: Sequence[list[int]], tokens: int) -> list[list[int]]:
@@ -35,6 +36,8 @@ class OracleDrafts:
 
     def __init__(self, prompts: Sequence[list[int]], outputs: Sequence[list[int]], curve: dict[int, float]):
         self.plans: list[tuple[tuple[int, ...], list[int], list[int]]] = []
+        self.rows = padded(curve)  # a step of j right drafts verifies rows[j + 1] rows (padding: see padded)
+        self.big = max(curve)
         self.right = 0  # positions where the corpus continues the answer at all
         self.drafted = 0  # tokens drafted while active (all of them right unless the text parted)
         for k in range(1, len(prompts)):
@@ -53,7 +56,10 @@ class OracleDrafts:
             pos = len(history) - n
             if pos >= len(lengths) or list(history[n:]) != output[:pos]:
                 return []
-            return output[pos : pos + min(lengths[pos], room)]
+            j = lengths[pos]
+            pad = self.rows[min(j + 1, self.big)] - 1 - j
+            nxt = output[pos + j] if pos + j < len(output) else output[-1]
+            return (output[pos : pos + j] + [nxt + 1 if nxt > 0 else 1] * pad)[:room]  # (padding never the right token)
         return []
 
     @contextlib.contextmanager

@@ -15,8 +15,9 @@ for requests 2..n, each with the earlier answers in memory as the engine keeps t
   (this prompt and the output so far, and the earlier answers) gets right, among the places whose
   preceding tokens agree with the text's end for longest (`longest`) or for at least `--min-match`
   tokens (`any`), drafted at the best length for the curve (a dynamic programme over the positions:
-  exact, not greedy). No chain drafter reading this corpus can beat `any`; a tree of drafts verified
-  together could, but our verification is a chain.
+  exact, not greedy). No chain drafter reading this corpus can beat `any`, and no tree of drafts
+  verified together either: the branch a tree gets accepted is one place's continuation, and the
+  tree spends at least that branch's rows on it.
 
 Printed: each row's decode speed-up over plain for requests 2..n together (their tokens over the
 time the curve charges), tokens drafted and accepted, and the tokens each oracle could accept.
@@ -81,24 +82,34 @@ def oracle_accepts(prompt: list[int], output: list[int], earlier: list[list[int]
 
 def oracle_seconds(accepts: list[int], curve: dict[int, float]) -> float:
     """The least time the curve charges to produce output[1:] when at position i a draft of up to
-    accepts[i] tokens is known right (each step: j drafted and accepted + 1 sampled, curve[j + 1])."""
+    accepts[i] tokens is known right (each step: j drafted and accepted + 1 sampled, at least j + 1
+    rows: see padded)."""
     return _oracle_schedule(accepts, curve)[0]
 
 
 def oracle_plan(accepts: list[int], curve: dict[int, float]) -> list[int]:
-    """The draft length at each position of oracle_seconds' cheapest schedule (0: a plain step there;
-    from any position the lengths onwards are the cheapest, so a schedule pushed off its path by a
-    plain step goes on optimally)."""
+    """The right tokens drafted at each position of oracle_seconds' cheapest schedule (0: a plain
+    step there; from any position the lengths onwards are the cheapest, so a schedule pushed off its
+    path by a plain step goes on optimally)."""
     return _oracle_schedule(accepts, curve)[1]
+
+
+def padded(curve: dict[int, float]) -> dict[int, int]:
+    """The rows a step that needs b rows verifies: the cheapest count of at least b. The curve is
+    bumpy (4 rows can cost less than 3), and a drafter may pad a draft with tokens it does not
+    expect to be kept (our policy does, pricing rows by the curve), so the ceiling must too."""
+    return {b: min((r for r in curve if r >= b), key=lambda r: (curve[r], r)) for b in curve}
 
 
 def _oracle_schedule(accepts: list[int], curve: dict[int, float]) -> tuple[float, list[int]]:
     n = len(accepts)
     big = max(curve)
+    rows = padded(curve)
     cost = [0.0] * (n + 1)
     plan = [0] * n
     for i in range(n - 1, 0, -1):
-        cost[i], plan[i] = min((curve[min(j + 1, big)] + cost[min(i + j + 1, n)], j) for j in range(0, accepts[i] + 1))
+        cost[i], plan[i] = min((curve[rows[min(j + 1, big)]] + cost[min(i + j + 1, n)], j)
+                               for j in range(0, accepts[i] + 1))
     return (cost[1] if n > 1 else 0.0), plan
 
 
